@@ -1,0 +1,3 @@
+"""Built-in backends; each module is a plugin selected by entry-point name."""
+
+__all__: list[str] = []

@@ -1,0 +1,88 @@
+"""kvfabric: a remote KV-cache tier for LLM serving.
+
+``kvfabric.connect(url)`` gives a :class:`Store`; ``await kvfabric.connect_async(url)`` an
+:class:`AsyncStore`. Keys are 32-byte content addresses made with :func:`chain_key` (from
+tokens) or :func:`fold_key` (from an engine's own hash).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvfabric.aio import AsyncStore
+from kvfabric.descriptor import Descriptor
+from kvfabric.errors import (
+    ConfigError,
+    ControllerUnavailableError,
+    InvalidKeyError,
+    KvfabricError,
+    NotSupportedError,
+    PluginError,
+    PluginNotFoundError,
+    PluginUnavailableError,
+    ProtocolError,
+    RemoteError,
+    TransportError,
+    TransportTimeoutError,
+    ValidationError,
+    ValueTooLargeError,
+)
+from kvfabric.hookspecs import hookimpl
+from kvfabric.keys import KEY_SIZE, ROOT_KEY, chain_key, chain_keys, fold_key
+from kvfabric.options import EmbeddedOptions, options_dict, parse_url
+from kvfabric.plugins import PluginManager, plugin_manager
+from kvfabric.store import PutOutcome, Store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KEY_SIZE",
+    "ROOT_KEY",
+    "AsyncStore",
+    "ConfigError",
+    "ControllerUnavailableError",
+    "Descriptor",
+    "InvalidKeyError",
+    "KvfabricError",
+    "NotSupportedError",
+    "PluginError",
+    "PluginNotFoundError",
+    "PluginUnavailableError",
+    "ProtocolError",
+    "PutOutcome",
+    "RemoteError",
+    "Store",
+    "TransportError",
+    "TransportTimeoutError",
+    "ValidationError",
+    "ValueTooLargeError",
+    "__version__",
+    "chain_key",
+    "chain_keys",
+    "connect",
+    "connect_async",
+    "fold_key",
+    "hookimpl",
+]
+
+
+def connect(url: str = "embedded://", *, plugins: PluginManager | None = None) -> Store:
+    """Open a store. ``embedded://?capacity=256MiB`` runs everything in this process."""
+    parsed = parse_url(url)
+    plugins = plugins or plugin_manager()
+    plugins.pm.hook.kvfabric_configure.call_historic(
+        kwargs={"config": {"url": url, **options_dict(parsed.options)}}
+    )
+    if isinstance(parsed.options, EmbeddedOptions):
+        from kvfabric.embedded import open_embedded
+
+        return open_embedded(parsed.options, parsed.host, plugins)
+    raise AssertionError(f"scheme {parsed.scheme} parsed but not handled")
+
+
+async def connect_async(
+    url: str = "embedded://", *, plugins: PluginManager | None = None
+) -> AsyncStore:
+    """Open a store for asyncio code; connecting runs off the event loop too."""
+    store = await asyncio.to_thread(connect, url, plugins=plugins)
+    return AsyncStore(store)

@@ -1,0 +1,96 @@
+"""The ``kvfabric`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvfabric.errors import KvfabricError
+
+__all__ = ["main"]
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from kvfabric.demo import DemoConfig, run_demo
+
+    config = DemoConfig(
+        url=args.url,
+        sessions=args.sessions,
+        turns=args.turns,
+        system_tokens=args.system_tokens,
+        kv_bytes_per_token=args.kv_bytes_per_token,
+    )
+    report = run_demo(config)
+    return 1 if report.wrong_values else 0
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from kvfabric.plugins import installed_plugins, plugin_manager
+
+    manager = plugin_manager()
+    rows = [("kind", "name", "status", "distribution", "entry point")]
+    for plugin in installed_plugins():
+        status = "ok"
+        try:
+            if plugin.kind == "transport":
+                manager.transport(plugin.name)
+            elif plugin.kind == "backend":
+                manager.backend(plugin.name)
+            else:
+                from importlib import import_module
+
+                import_module(plugin.target.partition(":")[0])
+        except (KvfabricError, ImportError) as exc:
+            status = f"unavailable: {exc}"
+        rows.append(
+            (
+                plugin.kind,
+                plugin.name,
+                status,
+                f"{plugin.distribution} {plugin.version}",
+                plugin.target,
+            )
+        )
+    _print_table(rows)
+    return 0
+
+
+def _print_table(rows: Sequence[Sequence[str]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvfabric", description="A remote KV-cache tier for LLM serving."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="show prefix reuse, dedup and validation in a minute")
+    demo.add_argument("--url", default="embedded://?capacity=512MiB", help="store to use")
+    demo.add_argument("--sessions", type=int, default=8)
+    demo.add_argument("--turns", type=int, default=4)
+    demo.add_argument("--system-tokens", type=int, default=4096)
+    demo.add_argument("--kv-bytes-per-token", type=int, default=2048)
+    demo.set_defaults(func=_cmd_demo)
+
+    plugins = sub.add_parser("plugins", help="list installed transports, backends, adapters")
+    plugins.set_defaults(func=_cmd_plugins)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KvfabricError as exc:
+        print(f"kvfabric: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

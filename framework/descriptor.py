@@ -1,0 +1,80 @@
+"""The descriptor: everything a client needs to read one record without asking anyone."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import attrs
+
+from kvfabric.errors import ProtocolError
+from kvfabric.keys import KEY_SIZE
+
+__all__ = ["DESCRIPTOR_SIZE", "Descriptor"]
+
+_U32_MAX = (1 << 32) - 1
+_U64_MAX = (1 << 64) - 1
+# key, node, region, offset, length, rkey, version, crc
+_WIRE = struct.Struct("<32sIIQQQQI")
+DESCRIPTOR_SIZE = _WIRE.size
+
+
+def _key(_: Any, attribute: attrs.Attribute[bytes], value: bytes) -> None:
+    if not isinstance(value, bytes) or len(value) != KEY_SIZE:
+        raise ValueError(f"{attribute.name} must be {KEY_SIZE} bytes")
+
+
+def _u32(_: Any, attribute: attrs.Attribute[int], value: int) -> None:
+    if not 0 <= value <= _U32_MAX:
+        raise ValueError(f"{attribute.name} must fit in 32 bits unsigned, got {value}")
+
+
+def _u64(_: Any, attribute: attrs.Attribute[int], value: int) -> None:
+    if not 0 <= value <= _U64_MAX:
+        raise ValueError(f"{attribute.name} must fit in 64 bits unsigned, got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class Descriptor:
+    """Where one record lives and what it must contain.
+
+    ``offset`` is where the record (header, then payload) starts in the region; ``length``
+    is the payload's length; ``version`` and ``crc`` must match the record's header.
+    """
+
+    key: bytes = attrs.field(validator=_key)
+    node: int = attrs.field(validator=_u32)
+    region: int = attrs.field(validator=_u32)
+    offset: int = attrs.field(validator=_u64)
+    length: int = attrs.field(validator=_u64)
+    rkey: int = attrs.field(validator=_u64)
+    version: int = attrs.field(validator=_u64)
+    crc: int = attrs.field(validator=_u32)
+
+    def to_bytes(self) -> bytes:
+        return _WIRE.pack(
+            self.key,
+            self.node,
+            self.region,
+            self.offset,
+            self.length,
+            self.rkey,
+            self.version,
+            self.crc,
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes | memoryview, offset: int = 0) -> Descriptor:
+        if len(data) - offset < DESCRIPTOR_SIZE:
+            raise ProtocolError(f"descriptor needs {DESCRIPTOR_SIZE} bytes")
+        key, node, region, off, length, rkey, version, crc = _WIRE.unpack_from(data, offset)
+        return cls(
+            key=key,
+            node=node,
+            region=region,
+            offset=off,
+            length=length,
+            rkey=rkey,
+            version=version,
+            crc=crc,
+        )

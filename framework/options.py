@@ -1,0 +1,148 @@
+"""Store URLs and their options.
+
+A URL names where the store is and carries its options as query parameters:
+``embedded://?capacity=256MiB&transport=shm``. An unknown option, a bad value or an unknown
+scheme is a :class:`~kvfabric.errors.ConfigError` that says what is accepted.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Mapping
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+import attrs
+
+from kvfabric.errors import ConfigError
+from kvfabric.units import parse_duration, parse_size
+
+__all__ = ["SCHEMES", "ClientOptions", "EmbeddedOptions", "StoreUrl", "options_dict", "parse_url"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise ConfigError(f"must not be negative: {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"not a number: {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise ConfigError(f"must be in [0, 1): {text!r}")
+    return value
+
+
+def _name(text: str) -> str:
+    if not text or not text.replace("_", "").replace("-", "").isalnum():
+        raise ConfigError(f"not a plugin name: {text!r}")
+    return text
+
+
+@attrs.frozen(kw_only=True)
+class ClientOptions:
+    """Options every client URL accepts."""
+
+    timeout: float = 2.0
+    """Bound on one batched read or write to a data node (seconds)."""
+    prefetch_entries: int = 65536
+    prefetch_ttl: float = 10.0
+    max_value: int = 1 << 30
+    transport: str | None = None
+    """Force one transport by name instead of the best one each node offers."""
+
+
+@attrs.frozen(kw_only=True)
+class EmbeddedOptions(ClientOptions):
+    """Options of ``embedded://[NAME]``: index, one data node and client in this process.
+
+    Clients that connect with the same NAME share one store (each has its own prefetch
+    cache and counters); without a name every connect makes a private store.
+    """
+
+    capacity: int = 256 << 20
+    backend: str = "dram"
+    region_size: int = 1 << 30
+    lease: float = 30.0
+    grace: float = 2.0
+    headroom: float = 0.05
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "timeout": parse_duration,
+    "prefetch_entries": _positive_int,
+    "prefetch_ttl": parse_duration,
+    "max_value": parse_size,
+    "transport": _name,
+    "capacity": parse_size,
+    "backend": _name,
+    "region_size": parse_size,
+    "lease": parse_duration,
+    "grace": parse_duration,
+    "headroom": _fraction,
+}
+
+SCHEMES: dict[str, type[ClientOptions]] = {"embedded": EmbeddedOptions}
+
+
+@attrs.frozen(kw_only=True)
+class StoreUrl:
+    scheme: str
+    host: str
+    port: int | None
+    options: ClientOptions
+
+
+def parse_url(url: str) -> StoreUrl:
+    parts = urlsplit(url)
+    port = _port(url)
+    scheme = parts.scheme
+    options_cls = SCHEMES.get(scheme)
+    if options_cls is None:
+        accepted = ", ".join(f"{s}://" for s in SCHEMES)
+        raise ConfigError(f"unknown store URL scheme in {url!r}; accepted: {accepted}")
+    if scheme == "embedded" and (port is not None or parts.path.strip("/")):
+        raise ConfigError(f"embedded:// takes at most a name (embedded://NAME), got {url!r}")
+    values = _parse_query(scheme, parts.query, options_cls)
+    try:
+        options = options_cls(**values)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"bad options in {url!r}: {exc}") from exc
+    return StoreUrl(scheme=scheme, host=parts.hostname or "", port=port, options=options)
+
+
+def _port(url: str) -> int | None:
+    try:
+        return urlsplit(url).port
+    except ValueError:
+        raise ConfigError(f"bad port in {url!r}") from None
+
+
+def _parse_query(scheme: str, query: str, options_cls: type[ClientOptions]) -> dict[str, Any]:
+    accepted = [f.name for f in attrs.fields(options_cls)]
+    values: dict[str, Any] = {}
+    for name, raw in parse_qsl(query, keep_blank_values=True, strict_parsing=False):
+        if name not in accepted:
+            message = f"unknown option {name!r} for {scheme}://; accepted: {', '.join(accepted)}"
+            close = difflib.get_close_matches(name, accepted, n=1)
+            if close:
+                message += f"; did you mean {close[0]!r}?"
+            raise ConfigError(message)
+        if name in values:
+            raise ConfigError(f"option {name!r} given twice")
+        try:
+            values[name] = _PARSERS[name](raw)
+        except ConfigError as exc:
+            raise ConfigError(f"option {name!r}: {exc}") from None
+    return values
+
+
+def options_dict(options: ClientOptions) -> Mapping[str, Any]:
+    return attrs.asdict(options)

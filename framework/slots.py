@@ -1,0 +1,88 @@
+"""Best-fit slot allocation inside one region, with coalescing of freed neighbours.
+
+KV chunks of one model have (nearly) one size, so exact-size reuse is the common case; the
+allocator still serves mixed sizes without size-class waste: it takes the smallest free
+extent that fits, splits off the rest, and merges a freed extent with free neighbours.
+Every operation is O(log n) in the number of distinct free sizes.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+__all__ = ["SlotAllocator"]
+
+
+class SlotAllocator:
+    """Free-extent bookkeeping for ``size`` bytes; offsets and sizes are multiples of ``align``."""
+
+    def __init__(self, size: int, align: int = 64) -> None:
+        self.size = size - size % align
+        self.align = align
+        self.free_bytes = 0
+        self._by_offset: dict[int, int] = {}
+        self._by_end: dict[int, int] = {}
+        self._by_size: dict[int, set[int]] = {}
+        self._sizes: list[int] = []
+        if self.size:
+            self._insert(0, self.size)
+
+    def largest_free(self) -> int:
+        return self._sizes[-1] if self._sizes else 0
+
+    def allocate(self, size: int) -> int | None:
+        """Offset of a new slot of ``size`` bytes (rounded up to ``align``), or None if no room."""
+        size = self._round(size)
+        i = bisect.bisect_left(self._sizes, size)
+        if i == len(self._sizes):
+            return None
+        extent = self._sizes[i]
+        offset = next(iter(self._by_size[extent]))
+        self._remove(offset, extent)
+        if extent > size:
+            self._insert(offset + size, extent - size)
+        return offset
+
+    def free(self, offset: int, size: int) -> None:
+        """Return a slot; it merges with free neighbours."""
+        size = self._round(size)
+        if offset < 0 or offset + size > self.size or offset % self.align:
+            raise ValueError(f"slot [{offset}, {offset + size}) is not inside this region")
+        if offset in self._by_offset or (offset + size) in self._by_end:
+            raise ValueError(f"slot at {offset} is already free")
+        before = self._by_end.get(offset)
+        if before is not None:
+            before_size = offset - before
+            self._remove(before, before_size)
+            offset, size = before, size + before_size
+        after_size = self._by_offset.get(offset + size)
+        if after_size is not None:
+            self._remove(offset + size, after_size)
+            size += after_size
+        self._insert(offset, size)
+
+    def _round(self, size: int) -> int:
+        if size <= 0:
+            raise ValueError("slot size must be positive")
+        return (size + self.align - 1) // self.align * self.align
+
+    def _insert(self, offset: int, size: int) -> None:
+        self._by_offset[offset] = size
+        self._by_end[offset + size] = offset
+        bucket = self._by_size.get(size)
+        if bucket is None:
+            self._by_size[size] = {offset}
+            bisect.insort(self._sizes, size)
+        else:
+            bucket.add(offset)
+        self.free_bytes += size
+
+    def _remove(self, offset: int, size: int) -> None:
+        del self._by_offset[offset]
+        del self._by_end[offset + size]
+        bucket = self._by_size[size]
+        bucket.discard(offset)
+        if not bucket:
+            del self._by_size[size]
+            del self._sizes[bisect.bisect_left(self._sizes, size)]
+        self.free_bytes -= size

@@ -1,0 +1,438 @@
+"""The client: ``Store``, the synchronous, thread-safe face of kvfabric.
+
+Lookups cost one index call and fill the prefetch cache; reads take descriptors from it,
+resolve only what is missing (one call for all of them), read per node, and validate every
+landed record. Writes cost one ``allocate`` call and one ``publish`` call per batch, and a
+key that is already stored moves no bytes. Any failure on the read path is a miss, never an
+exception and never a wrong value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+
+from kvfabric.buffers import byte_view, writable_view
+from kvfabric.counters import Counters
+from kvfabric.dataplane import DataPlane
+from kvfabric.descriptor import Descriptor
+from kvfabric.errors import (
+    ControllerUnavailableError,
+    InvalidKeyError,
+    TransportError,
+    ValidationError,
+    ValueTooLargeError,
+)
+from kvfabric.index import AllocationKind, AllocationRequest, GrantRef, Index
+from kvfabric.keys import KEY_SIZE
+from kvfabric.node import DataNode
+from kvfabric.options import ClientOptions
+from kvfabric.plugins import PluginManager
+from kvfabric.prefetch import PrefetchCache
+from kvfabric.record import HEADER_SIZE, checksum, pack_header, validate_record
+from kvfabric.transport import Segment
+
+__all__ = ["PutOutcome", "Store"]
+
+log = logging.getLogger("kvfabric")
+T = TypeVar("T")
+
+
+class PutOutcome(enum.Enum):
+    STORED = "stored"
+    DEDUPLICATED = "deduplicated"
+    """Already stored (by anyone): no bytes moved."""
+    IN_FLIGHT = "in_flight"
+    """Another writer is storing it right now: skipped."""
+    NO_SPACE = "no_space"
+    FAILED = "failed"
+    """The write or the controller failed; nothing was published."""
+
+
+_OUTCOME_OF = {
+    AllocationKind.EXISTS: PutOutcome.DEDUPLICATED,
+    AllocationKind.IN_FLIGHT: PutOutcome.IN_FLIGHT,
+    AllocationKind.NO_SPACE: PutOutcome.NO_SPACE,
+}
+
+
+class _Read:
+    """One record being read: where it lands and whether it made it."""
+
+    __slots__ = ("descriptor", "header", "index", "key", "payload", "refused", "result")
+
+    def __init__(
+        self,
+        index: int,
+        key: bytes,
+        descriptor: Descriptor,
+        header: memoryview,
+        payload: memoryview,
+    ) -> None:
+        self.index = index
+        self.key = key
+        self.descriptor = descriptor
+        self.header = header
+        self.payload = payload
+        self.refused = False
+        """The node refused the read (bad rkey, out of bounds): a miss, not an invalid record."""
+        self.result: memoryview | None = None
+
+
+class Store:
+    """A connection to a kvfabric store; create it with :func:`kvfabric.connect`."""
+
+    def __init__(
+        self,
+        *,
+        index: Index,
+        data: DataPlane,
+        options: ClientOptions,
+        plugins: PluginManager,
+        on_close: Sequence[Callable[[], None]] = (),
+        local_node: DataNode | None = None,
+    ) -> None:
+        """``local_node``: the data node running in this process (embedded mode), if any."""
+        self.local_node = local_node
+        self._index = index
+        self._data = data
+        self._options = options
+        self._plugins = plugins
+        self._on_close = list(on_close)
+        self._prefetch = PrefetchCache(
+            max_entries=options.prefetch_entries, ttl=options.prefetch_ttl
+        )
+        self._counters = Counters()
+        self._observer_pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._data.add_nodes(self._rpc(self._index.nodes))
+
+    # -- public API --------------------------------------------------------------------
+
+    def batched_contains(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are stored; their descriptors are kept for the read."""
+        _check_keys(keys)
+        if not keys:
+            return 0
+        try:
+            found = self._rpc(self._index.lookup_prefix, keys)
+        except ControllerUnavailableError:
+            return 0
+        self._prefetch.remember(found)
+        self._counters.update(lookups=1, prefix_hits=len(found))
+        self._observe(keys, len(found))
+        return len(found)
+
+    def batched_exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is stored (for engines that probe non-contiguous keys)."""
+        _check_keys(keys)
+        if not keys:
+            return []
+        self._counters.add("exists_calls")
+        try:
+            return self._rpc(self._index.exists, keys)
+        except ControllerUnavailableError:
+            return [False] * len(keys)
+
+    def batched_get(
+        self, keys: Sequence[bytes], into: Sequence[Any] | None = None
+    ) -> list[memoryview | None]:
+        """Read each key's value; ``None`` for a miss (absent, unreachable or invalid).
+
+        ``into``: one writable buffer per key, filled in place (zero copies); the result is
+        then a view of the buffer's first ``length`` bytes. A buffer too small is a miss.
+        """
+        _check_keys(keys)
+        if into is not None and len(into) != len(keys):
+            raise ValueError(f"into has {len(into)} buffers for {len(keys)} keys")
+        if not keys:
+            return []
+        descriptors = self._prefetch.take(keys)
+        prefetched = [d is not None for d in descriptors]
+        self._counters.update(gets=1, prefetch_hits=sum(prefetched))
+        self._resolve_missing(keys, descriptors)
+        results, invalid = self._read(keys, descriptors, into)
+        # A prefetched descriptor is only a shortcut: if it led to an invalid record, the
+        # key may have moved, so ask the index once more for those keys.
+        retry = [i for i in invalid if prefetched[i]]
+        if retry:
+            self._prefetch.drop(keys[i] for i in retry)
+            fresh = self._resolve([keys[i] for i in retry])
+            again: list[Descriptor | None] = [None] * len(keys)
+            for i, d in zip(retry, fresh, strict=True):
+                old = descriptors[i]
+                if d is not None and old is not None and d.version != old.version:
+                    again[i] = d
+            if any(d is not None for d in again):
+                second, _ = self._read(keys, again, into)
+                for i, value in enumerate(second):
+                    if value is not None:
+                        results[i] = value
+        hits = sum(r is not None for r in results)
+        self._counters.update(get_hits=hits, get_misses=len(keys) - hits)
+        return results
+
+    def batched_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[PutOutcome]:
+        """Store values under keys: one allocate call, the writes, one publish call.
+
+        A key already stored moves no bytes (``DEDUPLICATED``). Raises
+        :class:`ValueTooLargeError` before doing anything if a value exceeds ``max_value``.
+        """
+        _check_keys(keys)
+        if len(values) != len(keys):
+            raise ValueError(f"{len(values)} values for {len(keys)} keys")
+        if not keys:
+            return []
+        views = [byte_view(v) for v in values]
+        for i, view in enumerate(views):
+            if view.nbytes > self._options.max_value:
+                raise ValueTooLargeError(
+                    f"value {i} has {view.nbytes} bytes; this store takes at most "
+                    f"{self._options.max_value} (option max_value)"
+                )
+        self._prefetch.drop(keys)
+        requests = [
+            AllocationRequest(key=k, length=v.nbytes, crc=checksum(v))
+            for k, v in zip(keys, views, strict=True)
+        ]
+        self._counters.add("puts")
+        try:
+            result = self._rpc(self._index.allocate, requests)
+        except ControllerUnavailableError:
+            self._counters.add("put_failures", len(keys))
+            return [PutOutcome.FAILED] * len(keys)
+        outcomes: list[PutOutcome] = []
+        grants: dict[int, list[tuple[int, Descriptor]]] = {}
+        for i, alloc in enumerate(result.allocations):
+            if alloc.kind is AllocationKind.GRANTED and alloc.descriptor is not None:
+                grants.setdefault(alloc.descriptor.node, []).append((i, alloc.descriptor))
+                outcomes.append(PutOutcome.STORED)
+            else:
+                outcomes.append(_OUTCOME_OF[alloc.kind])
+        written, failed = self._write(grants, views, requests)
+        published = self._publish(written)
+        for i, d in written:
+            if not published.get(i, False):
+                failed.append((i, d))
+        for i, _ in failed:
+            outcomes[i] = PutOutcome.FAILED
+        if failed:
+            with contextlib.suppress(ControllerUnavailableError):
+                self._rpc(self._index.abort, [GrantRef.of(d) for _, d in failed])
+        self._counters.update(
+            evictions=result.evictions,
+            stored=sum(o is PutOutcome.STORED for o in outcomes),
+            payload_bytes_written=sum(d.length for _, d in written),
+            dedup_hits=sum(o is PutOutcome.DEDUPLICATED for o in outcomes),
+            in_flight_skips=sum(o is PutOutcome.IN_FLIGHT for o in outcomes),
+            no_space=sum(o is PutOutcome.NO_SPACE for o in outcomes),
+            put_failures=len(failed),
+        )
+        return outcomes
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove keys at once (new lookups miss); returns how many were stored."""
+        _check_keys(keys)
+        self._prefetch.drop(keys)
+        if not keys:
+            return 0
+        self._counters.add("deletes")
+        return self._rpc(self._index.unpublish, keys)
+
+    def stats(self) -> dict[str, int]:
+        """This client's counters (no round trip)."""
+        return self._counters.snapshot()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._observer_pool is not None:
+            self._observer_pool.shutdown(wait=True)
+        self._data.close()
+        for close in reversed(self._on_close):
+            close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _rpc(self, method: Callable[..., T], *args: Any) -> T:
+        self._counters.add("control_rpcs")
+        try:
+            return method(*args)
+        except ControllerUnavailableError as exc:
+            self._counters.add("controller_unavailable")
+            log.warning("kvfabric controller unavailable (%s): treating as a miss", exc)
+            raise
+
+    def _resolve(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
+        try:
+            return self._rpc(self._index.resolve, keys)
+        except ControllerUnavailableError:
+            return [None] * len(keys)
+
+    def _resolve_missing(self, keys: Sequence[bytes], descriptors: list[Descriptor | None]) -> None:
+        missing = [i for i, d in enumerate(descriptors) if d is None]
+        if not missing:
+            return
+        for i, d in zip(missing, self._resolve([keys[i] for i in missing]), strict=True):
+            descriptors[i] = d
+
+    def _ensure_routes(self, nodes: set[int]) -> None:
+        if all(self._data.knows(n) for n in nodes):
+            return
+        # A node joined after we connected: learn the membership once more.
+        with contextlib.suppress(ControllerUnavailableError):
+            self._data.add_nodes(self._rpc(self._index.nodes))
+
+    def _read(
+        self,
+        keys: Sequence[bytes],
+        descriptors: Sequence[Descriptor | None],
+        into: Sequence[Any] | None,
+    ) -> tuple[list[memoryview | None], list[int]]:
+        """Read and validate; returns the values and the indices that failed validation."""
+        results: list[memoryview | None] = [None] * len(keys)
+        invalid: list[int] = []
+        headers = memoryview(bytearray(HEADER_SIZE * len(keys)))
+        per_node: dict[int, list[_Read]] = {}
+        for i, d in enumerate(descriptors):
+            if d is None:
+                continue
+            if into is None:
+                # Uninitialised memory: zero-filling a bytearray would touch every page
+                # while holding the GIL; here the first touch is the GIL-free copy.
+                payload = np.empty(d.length, dtype=np.uint8).data
+            else:
+                dest = writable_view(into[i])
+                if dest.nbytes < d.length:
+                    log.warning(
+                        "kvfabric: buffer %d holds %d bytes, value has %d: miss",
+                        i,
+                        dest.nbytes,
+                        d.length,
+                    )
+                    continue
+                payload = dest[: d.length]
+            header = headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
+            per_node.setdefault(d.node, []).append(_Read(i, keys[i], d, header, payload))
+        if not per_node:
+            return results, invalid
+        self._ensure_routes(set(per_node))
+        outcomes = self._data.run_per_node(
+            {node: functools.partial(self._read_node, items) for node, items in per_node.items()}
+        )
+        landed_bytes = 0
+        failures = 0
+        for node, items in per_node.items():
+            outcome = outcomes[node]
+            if isinstance(outcome, BaseException):
+                log.warning("kvfabric: read from node %d failed (%s): misses", node, outcome)
+                self._counters.add("transport_failures")
+                continue
+            landed_bytes += outcome
+            for item in items:
+                if item.result is not None:
+                    results[item.index] = item.result
+                elif not item.refused:
+                    invalid.append(item.index)
+                    failures += 1
+        self._counters.update(payload_bytes_read=landed_bytes, validation_failures=failures)
+        return results, invalid
+
+    def _read_node(self, items: list[_Read]) -> int:
+        """Read one node's records and validate them; returns payload bytes landed."""
+        _, client = self._data.route(items[0].descriptor.node)
+        segments: list[Segment] = []
+        for item in items:
+            d = item.descriptor
+            segments.append(Segment(d.region, d.rkey, d.offset, item.header))
+            segments.append(Segment(d.region, d.rkey, d.offset + HEADER_SIZE, item.payload))
+        errors = client.read(items[0].descriptor.node, segments)
+        landed = 0
+        for n, item in enumerate(items):
+            if errors[2 * n] is not None or errors[2 * n + 1] is not None:
+                item.refused = True
+                continue
+            landed += item.descriptor.length
+            try:
+                validate_record(item.header, item.payload, item.descriptor, item.key)
+            except ValidationError as exc:
+                log.info("kvfabric: record for key %s invalid (%s): miss", item.key.hex(), exc)
+                continue
+            item.result = item.payload
+        return landed
+
+    def _write(
+        self,
+        grants: dict[int, list[tuple[int, Descriptor]]],
+        views: Sequence[memoryview],
+        requests: Sequence[AllocationRequest],
+    ) -> tuple[list[tuple[int, Descriptor]], list[tuple[int, Descriptor]]]:
+        if not grants:
+            return [], []
+        self._ensure_routes(set(grants))
+
+        def job(node: int, items: list[tuple[int, Descriptor]]) -> list[TransportError | None]:
+            _, client = self._data.route(node)
+            segments: list[Segment] = []
+            for i, d in items:
+                head = pack_header(d.key, d.version, d.length, requests[i].crc)
+                segments.append(Segment(d.region, d.rkey, d.offset, memoryview(head)))
+                segments.append(Segment(d.region, d.rkey, d.offset + HEADER_SIZE, views[i]))
+            return client.write(node, segments)
+
+        outcomes = self._data.run_per_node(
+            {node: functools.partial(job, node, items) for node, items in grants.items()}
+        )
+        written: list[tuple[int, Descriptor]] = []
+        failed: list[tuple[int, Descriptor]] = []
+        for node, items in grants.items():
+            outcome = outcomes[node]
+            if isinstance(outcome, BaseException):
+                log.warning("kvfabric: write to node %d failed (%s): not stored", node, outcome)
+                self._counters.add("transport_failures")
+                failed.extend(items)
+                continue
+            for n, item in enumerate(items):
+                ok = outcome[2 * n] is None and outcome[2 * n + 1] is None
+                (written if ok else failed).append(item)
+        return written, failed
+
+    def _publish(self, written: list[tuple[int, Descriptor]]) -> dict[int, bool]:
+        if not written:
+            return {}
+        try:
+            flags = self._rpc(self._index.publish, [GrantRef.of(d) for _, d in written])
+        except ControllerUnavailableError:
+            return {}
+        return {i: ok for (i, _), ok in zip(written, flags, strict=True)}
+
+    def _observe(self, keys: Sequence[bytes], hits: int) -> None:
+        hook = self._plugins.pm.hook.kvfabric_lookup_done
+        if not hook.get_hookimpls():
+            return
+        if self._observer_pool is None:
+            self._observer_pool = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-observe")
+        self._observer_pool.submit(hook, keys=list(keys), hits=hits)
+
+
+def _check_keys(keys: Sequence[bytes]) -> None:
+    for key in keys:
+        if type(key) is not bytes or len(key) != KEY_SIZE:
+            raise InvalidKeyError(
+                f"keys must be {KEY_SIZE}-byte bytes (see kvfabric.chain_key / fold_key), "
+                f"got {type(key).__name__} of length {len(key) if hasattr(key, '__len__') else '?'}"
+            )

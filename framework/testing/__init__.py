@@ -1,0 +1,30 @@
+"""The conformance suite kvfabric ships for plugin authors (and runs on its own plugins).
+
+Subclass a mixin in your test module and override its fixtures::
+
+    from kvfabric.testing import StoreConformance, TransportConformance
+
+    class TestMyTransport(TransportConformance):
+        @pytest.fixture
+        def transport_name(self) -> str:
+            return "mytransport"
+
+    class TestStoreOverMyTransport(StoreConformance):
+        @pytest.fixture
+        def store_url(self, unique_name: str) -> str:
+            return f"embedded://{unique_name}?transport=mytransport"
+
+Every test asserts an outcome (bytes, counts, errors); none asserts a timing.
+"""
+
+from kvfabric.testing.hooks import corrupt_payload, resolve_descriptor
+from kvfabric.testing.store_suite import StoreConformance
+from kvfabric.testing.transport_suite import RegionServer, TransportConformance
+
+__all__ = [
+    "RegionServer",
+    "StoreConformance",
+    "TransportConformance",
+    "corrupt_payload",
+    "resolve_descriptor",
+]

@@ -1,0 +1,199 @@
+"""The in-memory index: grants, leases, dedup, eviction and retired slots (fake clock)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfabric.index import AllocationKind, AllocationRequest, GrantRef, NodeInfo, RegionInfo
+from kvfabric.keys import fold_key
+from kvfabric.memory_index import MemoryIndex
+from kvfabric.record import record_size
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _key(n: int) -> bytes:
+    return fold_key(n, b"test")
+
+
+def _index(
+    *, capacity: int = 1 << 20, grace: float = 0.0, lease: float = 30.0, headroom: float = 0.0
+) -> tuple[MemoryIndex, Clock]:
+    clock = Clock()
+    index = MemoryIndex(lease=lease, grace=grace, headroom=headroom, clock=clock)
+    index.register_node(
+        NodeInfo(name="n1", regions=(RegionInfo(id=0, size=capacity, rkey=42),), endpoints=())
+    )
+    return index, clock
+
+
+def _put(index: MemoryIndex, *keys: bytes, length: int = 1000) -> list[AllocationKind]:
+    result = index.allocate([AllocationRequest(key=k, length=length, crc=0) for k in keys])
+    granted = [
+        GrantRef.of(a.descriptor)
+        for a in result.allocations
+        if a.kind is AllocationKind.GRANTED and a.descriptor is not None
+    ]
+    assert all(index.publish(granted))
+    return [a.kind for a in result.allocations]
+
+
+def test_grant_then_publish_makes_the_key_visible() -> None:
+    index, _ = _index()
+    result = index.allocate([AllocationRequest(key=_key(1), length=100, crc=5)])
+    (grant,) = result.allocations
+    assert grant.kind is AllocationKind.GRANTED
+    assert grant.descriptor is not None
+    assert grant.descriptor.crc == 5
+    assert grant.descriptor.rkey == 42
+    assert index.exists([_key(1)]) == [False]  # pending is invisible
+    assert index.publish([GrantRef.of(grant.descriptor)]) == [True]
+    assert index.lookup_prefix([_key(1)]) == [grant.descriptor]
+
+
+def test_second_writer_is_told_in_flight_and_third_after_publish_exists() -> None:
+    index, _ = _index()
+    first = index.allocate([AllocationRequest(key=_key(1), length=100, crc=0)]).allocations[0]
+    again = index.allocate([AllocationRequest(key=_key(1), length=100, crc=0)]).allocations[0]
+    assert again.kind is AllocationKind.IN_FLIGHT
+    assert first.descriptor is not None
+    index.publish([GrantRef.of(first.descriptor)])
+    third = index.allocate([AllocationRequest(key=_key(1), length=100, crc=0)]).allocations[0]
+    assert third.kind is AllocationKind.EXISTS
+    assert third.descriptor == first.descriptor
+    assert index.stats()["dedup_hits"] == 1
+
+
+def test_lookup_prefix_stops_at_the_first_gap() -> None:
+    index, _ = _index()
+    _put(index, _key(0), _key(1), _key(3))
+    assert len(index.lookup_prefix([_key(i) for i in range(4)])) == 2
+    assert index.resolve([_key(3), _key(2)])[1] is None
+
+
+def test_lease_expiry_frees_the_grant_and_rejects_a_late_publish() -> None:
+    index, clock = _index(lease=5.0)
+    grant = index.allocate([AllocationRequest(key=_key(1), length=100, crc=0)]).allocations[0]
+    assert grant.descriptor is not None
+    clock.now += 6.0
+    assert index.publish([GrantRef.of(grant.descriptor)]) == [False]
+    index.tick()
+    # The key can be granted anew, with a new version.
+    regrant = index.allocate([AllocationRequest(key=_key(1), length=100, crc=0)]).allocations[0]
+    assert regrant.kind is AllocationKind.GRANTED
+    assert regrant.descriptor is not None
+    assert regrant.descriptor.version > grant.descriptor.version
+    assert index.stats()["lease_expiries"] == 1
+
+
+def test_abort_releases_the_key() -> None:
+    index, _ = _index()
+    grant = index.allocate([AllocationRequest(key=_key(1), length=100, crc=0)]).allocations[0]
+    assert grant.descriptor is not None
+    index.abort([GrantRef.of(grant.descriptor)])
+    assert index.publish([GrantRef.of(grant.descriptor)]) == [False]
+    assert _put(index, _key(1)) == [AllocationKind.GRANTED]
+
+
+def test_retired_slot_waits_for_the_grace_period_and_comes_back_with_a_new_version() -> None:
+    size = record_size(1000)
+    index, clock = _index(capacity=size, grace=2.0)  # room for exactly one record
+    _put(index, _key(1))
+    old = index.resolve([_key(1)])[0]
+    assert old is not None
+    assert index.unpublish([_key(1)]) == 1
+    assert index.lookup_prefix([_key(1)]) == []
+    assert _put(index, _key(2)) == [AllocationKind.NO_SPACE]  # still in its grace period
+    clock.now += 2.5
+    assert _put(index, _key(2)) == [AllocationKind.GRANTED]
+    new = index.resolve([_key(2)])[0]
+    assert new is not None
+    assert (new.offset, new.region) == (old.offset, old.region)
+    assert new.version > old.version
+
+
+def test_eviction_prefers_old_entries_weighted_by_retention() -> None:
+    size = record_size(1000)
+    index, clock = _index(capacity=3 * size)
+    _put(index, _key(1))
+    clock.now += 1
+    _put(index, _key(2))
+    clock.now += 1
+    _put(index, _key(3))
+    # Key 1 is the oldest, but many writers stored it: keep it over key 2.
+    for _ in range(7):
+        assert _put(index, _key(1)) == [AllocationKind.EXISTS]
+    index._entries[_key(1)].last_use = 1000.0  # as old as it was
+    clock.now += 1
+    assert _put(index, _key(4)) == [AllocationKind.GRANTED]
+    assert index.exists([_key(1), _key(2), _key(3), _key(4)]) == [True, False, True, True]
+    assert index.stats()["evictions"] == 1
+
+
+def test_allocate_reports_evictions_it_caused() -> None:
+    size = record_size(1000)
+    index, _ = _index(capacity=2 * size)
+    _put(index, _key(1), _key(2))
+    result = index.allocate([AllocationRequest(key=_key(3), length=1000, crc=0)])
+    assert result.allocations[0].kind is AllocationKind.GRANTED
+    assert result.evictions == 1
+
+
+def test_too_large_for_any_region_is_no_space_and_evicts_nothing_useful() -> None:
+    index, _ = _index(capacity=4096)
+    result = index.allocate([AllocationRequest(key=_key(1), length=10_000, crc=0)])
+    assert result.allocations[0].kind is AllocationKind.NO_SPACE
+
+
+def test_headroom_is_kept_by_evicting_ahead_of_need() -> None:
+    size = record_size(1000)
+    index, clock = _index(capacity=10 * size, headroom=0.25, grace=5.0)
+    # A record every 2 s with a 5 s grace: evicting only on demand would refuse puts once
+    # full; 25% headroom (3 slots) keeps enough space on its way back to free.
+    outcomes = []
+    for i in range(30):
+        outcomes.append(_put(index, _key(i))[0])
+        clock.now += 2.0
+    assert outcomes == [AllocationKind.GRANTED] * 30
+    stats = index.stats()
+    assert stats["free_bytes"] + stats["retired_bytes"] >= int(0.25 * 10 * size)
+    assert stats["evictions"] == 30 - stats["entries"]
+
+
+def test_removing_a_node_drops_its_entries() -> None:
+    index, _ = _index()
+    _put(index, _key(1), _key(2))
+    (node,) = index.nodes()
+    assert index.remove_node(node.id) == 2
+    assert index.exists([_key(1)]) == [False]
+    assert index.allocate([AllocationRequest(key=_key(3), length=10, crc=0)]).allocations[
+        0
+    ].kind is (AllocationKind.NO_SPACE)
+
+
+def test_reregistering_a_node_keeps_its_id_and_entries() -> None:
+    index, _ = _index()
+    _put(index, _key(1))
+    info = index.nodes()[0]
+    again = index.register_node(
+        NodeInfo(name="n1", regions=info.regions, endpoints=info.endpoints)
+    )
+    assert again.id == info.id
+    assert index.exists([_key(1)]) == [True]
+
+
+@pytest.mark.parametrize("count", [1, 100])
+def test_stats_account_for_every_byte(count: int) -> None:
+    index, _ = _index()
+    _put(index, *[_key(i) for i in range(count)], length=500)
+    stats = index.stats()
+    assert stats["entries"] == count
+    assert stats["used_bytes"] == count * record_size(500)
+    assert stats["stored_payload_bytes"] == count * 500
+    assert stats["used_bytes"] + stats["free_bytes"] == stats["capacity_bytes"]

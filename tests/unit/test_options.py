@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import kvfabric
+from kvfabric.errors import ConfigError
+from kvfabric.options import EmbeddedOptions, parse_url
+from kvfabric.units import format_size, parse_duration, parse_size
+
+
+def test_embedded_url_options_are_parsed_and_typed() -> None:
+    url = parse_url("embedded://?capacity=256MiB&timeout=500ms&prefetch_entries=10&grace=0")
+    assert isinstance(url.options, EmbeddedOptions)
+    assert url.options.capacity == 256 << 20
+    assert url.options.timeout == 0.5
+    assert url.options.prefetch_entries == 10
+    assert url.options.grace == 0.0
+
+
+def test_embedded_name_is_the_host() -> None:
+    assert parse_url("embedded://shared-one").host == "shared-one"
+
+
+def test_unknown_option_lists_what_is_accepted() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_url("embedded://?capcity=1GiB")
+    message = str(info.value)
+    assert "capcity" in message
+    assert "capacity" in message
+    assert "did you mean 'capacity'" in message
+
+
+@pytest.mark.parametrize(
+    ("url", "fragment"),
+    [
+        ("redis://localhost", "accepted: embedded://"),
+        ("embedded://?capacity=lots", "not a size"),
+        ("embedded://?timeout=soon", "not a duration"),
+        ("embedded://?capacity=1GiB&capacity=2GiB", "given twice"),
+        ("embedded://?headroom=2", "must be in [0, 1)"),
+        ("embedded://x:99", "at most a name"),
+    ],
+)
+def test_bad_urls_say_what_is_wrong(url: str, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        parse_url(url)
+
+
+def test_unknown_transport_names_the_installed_ones() -> None:
+    with pytest.raises(kvfabric.PluginNotFoundError, match="installed: .*shm"):
+        kvfabric.connect("embedded://?transport=carrier-pigeon")
+
+
+def test_known_extra_that_is_not_installed_gets_the_pip_command() -> None:
+    with pytest.raises(kvfabric.PluginError, match=r"pip install 'kvfabric\[verbs\]'"):
+        kvfabric.connect("embedded://?transport=verbs")
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("4096", 4096), ("256MiB", 256 << 20), ("4GiB", 4 << 30), ("1.5GB", 1_500_000_000)],
+)
+def test_sizes(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize(("text", "value"), [("2", 2.0), ("2s", 2.0), ("250ms", 0.25)])
+def test_durations(text: str, value: float) -> None:
+    assert parse_duration(text) == value
+
+
+def test_format_size() -> None:
+    assert format_size(512 * 1024) == "512.0 KiB"
+    assert format_size(12) == "12 B"

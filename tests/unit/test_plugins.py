@@ -1,0 +1,154 @@
+"""Entry-point discovery with a real, throwaway plugin distribution installed by pip."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from kvfabric.plugins import PluginManager, installed_plugins
+
+_PLUGIN_MODULE = textwrap.dedent(
+    '''
+    """A third-party transport: the shm transport under another name."""
+    from kvfabric import hookimpl
+    from kvfabric.transports.shm import ShmTransport
+
+
+    class MirrorTransport(ShmTransport):
+        name = "mirror"
+
+
+    @hookimpl
+    def kvfabric_register_transports(registry):
+        registry.add("mirror", MirrorTransport)
+    '''
+)
+_BROKEN_MODULE = "import kvfabric_missing_native_library  # noqa\n"
+
+
+def _build_wheel(directory: Path) -> Path:
+    """A minimal wheel by hand: no build backend or network needed to install it."""
+    name, version = "kvfabric_mirror", "0.0.1"
+    wheel = directory / f"{name}-{version}-py3-none-any.whl"
+    dist_info = f"{name}-{version}.dist-info"
+    files = {
+        "kvfabric_mirror/__init__.py": _PLUGIN_MODULE,
+        "kvfabric_mirror/broken.py": _BROKEN_MODULE,
+        f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+        f"{dist_info}/entry_points.txt": "[kvfabric.transports]\n"
+        "mirror = kvfabric_mirror\nbroken = kvfabric_mirror.broken\n",
+    }
+    record = "".join(f"{path},,\n" for path in files) + f"{dist_info}/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for path, text in files.items():
+            zf.writestr(path, text)
+        zf.writestr(f"{dist_info}/RECORD", record)
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def plugin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("plugin")
+    wheel = _build_wheel(root)
+    target = root / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), wheel],
+        check=True,
+    )
+    return target
+
+
+def _run(plugin_dir: Path, code: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(plugin_dir)}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_third_party_transport_is_found_by_name_and_works(plugin_dir: Path) -> None:
+    result = _run(
+        plugin_dir,
+        """
+        import kvfabric
+        store = kvfabric.connect("embedded://?transport=mirror")
+        key = kvfabric.chain_key(kvfabric.ROOT_KEY, [1, 2, 3])
+        store.batched_put([key], [b"through a plugin"])
+        assert store.batched_contains([key]) == 1
+        print(bytes(store.batched_get([key])[0]).decode())
+        store.close()
+        """,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "through a plugin"
+
+
+def test_unknown_name_lists_installed_plugins_including_third_party(plugin_dir: Path) -> None:
+    result = _run(
+        plugin_dir,
+        """
+        import kvfabric
+        try:
+            kvfabric.connect("embedded://?transport=mirorr")
+        except kvfabric.PluginNotFoundError as exc:
+            print(exc)
+        """,
+    )
+    assert "installed: broken, mirror, shm" in result.stdout
+    assert "did you mean 'mirror'?" in result.stdout
+
+
+def test_plugin_that_cannot_import_gives_a_clear_error(plugin_dir: Path) -> None:
+    result = _run(
+        plugin_dir,
+        """
+        import kvfabric
+        try:
+            kvfabric.connect("embedded://?transport=broken")
+        except kvfabric.PluginUnavailableError as exc:
+            print("unavailable:", exc)
+        """,
+    )
+    assert "unavailable: transport 'broken' is installed but cannot be imported" in result.stdout
+    assert "kvfabric_missing_native_library" in result.stdout
+
+
+def test_cli_lists_third_party_plugins(plugin_dir: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(plugin_dir)}
+    result = subprocess.run(
+        [sys.executable, "-m", "kvfabric.cli", "plugins"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = {line.split()[1]: line for line in result.stdout.splitlines()[1:]}
+    assert "kvfabric_mirror 0.0.1" in lines["mirror"]
+    assert " ok " in lines["mirror"]
+    assert "unavailable" in lines["broken"]
+    assert " ok " in lines["shm"]
+
+
+def test_built_ins_come_through_the_same_entry_points() -> None:
+    names = {(p.kind, p.name): p for p in installed_plugins()}
+    assert names[("transport", "shm")].target == "kvfabric.transports.shm"
+    assert names[("backend", "dram")].distribution == "kvfabric"
+
+
+def test_selecting_one_plugin_loads_only_that_entry_point() -> None:
+    manager = PluginManager()
+    manager.transport("shm")
+    loaded = {name for name, _ in manager.pm.list_name_plugin()}
+    assert loaded == {"kvfabric.transports:shm"}

@@ -1,0 +1,89 @@
+"""The README's two commands are the set-up contract; the CLI does what it says."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_readme_opens_with_the_demo_and_the_test_command() -> None:
+    demo, tests = _readme_commands()[:2]
+    assert demo.endswith("kvfabric demo")
+    assert "tox run" in tests
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert _readme_commands()[1] in ci
+
+
+def test_demo_runs_and_reports_one_rpc_per_lookup_and_no_wrong_values() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvfabric.cli", "demo", "--sessions", "3", "--turns", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    report = {
+        line.split("  ")[1].strip(): line for line in result.stdout.splitlines() if "  " in line
+    }
+    assert "1.00" in report["control RPCs per lookup+get"]
+    assert report["wrong values"].split()[-1] == "0"
+    assert report["validation failures"].split()[-1] == "0"
+    assert "dedup" in report["bytes stored"]
+
+
+def test_cli_reports_errors_without_a_traceback() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvfabric.cli", "demo", "--url", "embedded://?capcity=1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "kvfabric: error: unknown option 'capcity'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git to copy the checkout")
+def test_readme_demo_command_works_on_a_fresh_checkout(tmp_path: Path) -> None:
+    """Command 1 on a copy of the tracked tree, with its own new virtualenv."""
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    checkout = tmp_path / "kvfabric"
+    for name in files:
+        source = ROOT / name
+        if source.is_file():
+            (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, checkout / name)
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    result = subprocess.run(
+        ["bash", "-c", _readme_commands()[0]],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "wrong values" in result.stdout
+    assert "RPCs per lookup+get" in result.stdout

@@ -181,9 +181,7 @@ def test_reregistering_a_node_keeps_its_id_and_entries() -> None:
     index, _ = _index()
     _put(index, _key(1))
     info = index.nodes()[0]
-    again = index.register_node(
-        NodeInfo(name="n1", regions=info.regions, endpoints=info.endpoints)
-    )
+    again = index.register_node(NodeInfo(name="n1", regions=info.regions, endpoints=info.endpoints))
     assert again.id == info.id
     assert index.exists([_key(1)]) == [True]
 

@@ -49,7 +49,7 @@ def test_bad_urls_say_what_is_wrong(url: str, fragment: str) -> None:
 
 
 def test_unknown_transport_names_the_installed_ones() -> None:
-    with pytest.raises(kvfabric.PluginNotFoundError, match="installed: .*shm"):
+    with pytest.raises(kvfabric.PluginNotFoundError, match=r"installed: .*shm"):
         kvfabric.connect("embedded://?transport=carrier-pigeon")
 
 

@@ -18,7 +18,9 @@ def test_allocates_until_full_then_refuses() -> None:
 def test_freed_neighbours_merge_into_one_extent() -> None:
     alloc = SlotAllocator(1024, align=64)
     a, b, c, _ = (alloc.allocate(256) for _ in range(4))
-    assert a is not None and b is not None and c is not None
+    assert a is not None
+    assert b is not None
+    assert c is not None
     alloc.free(a, 256)
     alloc.free(c, 256)
     assert alloc.largest_free() == 256
@@ -31,7 +33,8 @@ def test_best_fit_keeps_large_extents_whole() -> None:
     alloc = SlotAllocator(4096, align=64)
     small = alloc.allocate(128)
     blocker = alloc.allocate(64)
-    assert small is not None and blocker is not None
+    assert small is not None
+    assert blocker is not None
     alloc.free(small, 128)
     # A 128-byte request takes the 128-byte hole, not the big tail.
     assert alloc.allocate(100) == small

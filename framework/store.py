@@ -148,6 +148,7 @@ class Store:
 
         ``into``: one writable buffer per key, filled in place (zero copies); the result is
         then a view of the buffer's first ``length`` bytes. A buffer too small is a miss.
+        Without ``into`` the values are views into one new buffer per call.
         """
         _check_keys(keys)
         if into is not None and len(into) != len(keys):
@@ -308,14 +309,21 @@ class Store:
         invalid: list[int] = []
         headers = memoryview(bytearray(HEADER_SIZE * len(keys)))
         per_node: dict[int, list[_Read]] = {}
+        arena: memoryview | None = None
+        arena_used = 0
+        if into is None:
+            # One uninitialised allocation for the batch: a bytearray per value would be
+            # zero-filled page by page while holding the GIL, and a malloc per value costs
+            # an mmap each; here the first touch of each page is the GIL-free copy.
+            arena = np.empty(sum(d.length for d in descriptors if d), dtype=np.uint8).data
         for i, d in enumerate(descriptors):
             if d is None:
                 continue
-            if into is None:
-                # Uninitialised memory: zero-filling a bytearray would touch every page
-                # while holding the GIL; here the first touch is the GIL-free copy.
-                payload = np.empty(d.length, dtype=np.uint8).data
+            if arena is not None:
+                payload = arena[arena_used : arena_used + d.length]
+                arena_used += d.length
             else:
+                assert into is not None
                 dest = writable_view(into[i])
                 if dest.nbytes < d.length:
                     log.warning(

@@ -29,7 +29,7 @@ from kvfabric.errors import (
 )
 from kvfabric.hookspecs import hookimpl
 from kvfabric.keys import KEY_SIZE, ROOT_KEY, chain_key, chain_keys, fold_key
-from kvfabric.options import EmbeddedOptions, options_dict, parse_url
+from kvfabric.options import EmbeddedOptions, RemoteOptions, options_dict, parse_url
 from kvfabric.plugins import PluginManager, plugin_manager
 from kvfabric.store import PutOutcome, Store
 
@@ -67,7 +67,12 @@ __all__ = [
 
 
 def connect(url: str = "embedded://", *, plugins: PluginManager | None = None) -> Store:
-    """Open a store. ``embedded://?capacity=256MiB`` runs everything in this process."""
+    """Open a store.
+
+    ``embedded://?capacity=256MiB`` runs everything in this process;
+    ``kvfabric://HOST:PORT`` connects to a controller (``kvfabric serve`` or
+    ``kvfabric controller``) and its data nodes.
+    """
     parsed = parse_url(url)
     plugins = plugins or plugin_manager()
     plugins.pm.hook.kvfabric_configure.call_historic(
@@ -77,6 +82,11 @@ def connect(url: str = "embedded://", *, plugins: PluginManager | None = None) -
         from kvfabric.embedded import open_embedded
 
         return open_embedded(parsed.options, parsed.host, plugins)
+    if isinstance(parsed.options, RemoteOptions):
+        from kvfabric.remote import open_remote
+
+        assert parsed.port is not None
+        return open_remote(parsed.options, parsed.host, parsed.port, plugins)
     raise AssertionError(f"scheme {parsed.scheme} parsed but not handled")
 
 

@@ -56,6 +56,78 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from kvfabric.bench import run_bench
+    from kvfabric.units import parse_size
+
+    sizes = tuple(parse_size(s) for s in args.sizes.split(",") if s)
+    run_bench(sizes=sizes, count=args.count, repeat=args.repeat, redis=not args.no_redis)
+    return 0
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from kvfabric.control_client import ControlClient
+    from kvfabric.remote_index import fetch_stats
+    from kvfabric.security import Credentials, load_secret
+    from kvfabric.units import parse_duration
+
+    secret = load_secret(args.secret_file)
+    endpoint = args.controller
+    if endpoint.startswith("kvfabric://"):
+        endpoint = "tcp://" + endpoint.removeprefix("kvfabric://").split("?")[0]
+    client = ControlClient(
+        endpoint,
+        timeout=parse_duration(args.timeout),
+        credentials=Credentials.from_secret(secret) if secret else None,
+    )
+    try:
+        scopes = fetch_stats(client)
+    finally:
+        client.close()
+    print(format_stats(scopes))
+    return 0
+
+
+_SUMMARY = (
+    ("capacity", "capacity_bytes"),
+    ("used", "used_bytes"),
+    ("entries", "entries"),
+    ("hits", "prefix_hits"),
+    ("lookup keys", "lookup_keys"),
+    ("dedup", "dedup_hits"),
+    ("evictions", "evictions"),
+    ("rpcs", "rpcs"),
+)
+
+
+def format_stats(scopes: dict[str, dict[str, int]]) -> str:
+    """A summary table, then every counter of every scope."""
+    from kvfabric.units import format_size
+
+    index, controller = scopes.get("index", {}), scopes.get("controller", {})
+    merged = {**index, **controller}
+    lines = [
+        "kvfabric: "
+        + ", ".join(
+            f"{label} {format_size(merged[key]) if key.endswith('_bytes') else merged[key]}"
+            for label, key in _SUMMARY
+            if key in merged
+        )
+    ]
+    hits, asked = index.get("prefix_hits", 0), index.get("lookup_keys", 0)
+    if asked:
+        lines[0] += f", hit rate {hits / asked:.0%}"
+    rows = [("scope", "counter", "value")]
+    for scope, counters in scopes.items():
+        for name, value in counters.items():
+            shown = format_size(value) if name.endswith("_bytes") else str(value)
+            rows.append((scope, name, shown))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for row in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    return "\n".join(lines)
+
+
 def _print_table(rows: Sequence[Sequence[str]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
@@ -78,11 +150,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     plugins = sub.add_parser("plugins", help="list installed transports, backends, adapters")
     plugins.set_defaults(func=_cmd_plugins)
+
+    from kvfabric.server_cli import add_server_commands
+
+    add_server_commands(sub)
+
+    bench = sub.add_parser("bench", help="kvfabric vs memcpy, raw sockets and Redis")
+    bench.add_argument("--sizes", default="256KiB,4MiB", help="chunk sizes, comma-separated")
+    bench.add_argument("--count", type=int, default=64, help="chunks per batch")
+    bench.add_argument("--repeat", type=int, default=5)
+    bench.add_argument("--no-redis", action="store_true", help="skip the Redis rows")
+    bench.set_defaults(func=_cmd_bench)
+
+    stats = sub.add_parser("stats", help="print the controller's and each node's counters")
+    stats.add_argument("--controller", default="tcp://127.0.0.1:7100")
+    stats.add_argument("--secret-file", default=None)
+    stats.add_argument("--timeout", default="2s")
+    stats.set_defaults(func=_cmd_stats)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "log_level"):
+        from kvfabric.server_cli import configure_logging
+
+        configure_logging(args.log_level)
     try:
         return int(args.func(args))
     except KvfabricError as exc:

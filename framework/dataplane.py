@@ -27,12 +27,19 @@ class DataPlane:
         self._clients = dict(clients)
         self._preference = [t for t in preference if t in self._clients]
         self._routes: dict[int, tuple[str, TransportClient]] = {}
+        self._infos: dict[int, NodeInfo] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
 
     def add_nodes(self, nodes: Sequence[NodeInfo]) -> None:
-        """Connect to nodes not yet known (or re-registered with new endpoints)."""
+        """Connect to nodes not yet known, or known under the same id with other endpoints."""
         for node in nodes:
+            with self._lock:
+                known = self._infos.get(node.id)
+            if known == node:
+                continue
+            if known is not None:
+                self.remove_node(node.id)
             endpoints = {e.transport: e for e in node.endpoints}
             for name in self._preference:
                 endpoint = endpoints.get(name)
@@ -41,11 +48,27 @@ class DataPlane:
                     client.connect(endpoint)
                     with self._lock:
                         self._routes[node.id] = (name, client)
+                        self._infos[node.id] = node
                     break
+
+    def replace_nodes(self, nodes: Sequence[NodeInfo]) -> None:
+        """Make the membership exactly ``nodes`` (after the controller restarted)."""
+        current = {n.id for n in nodes}
+        with self._lock:
+            gone = [n for n in self._infos if n not in current]
+        for node in gone:
+            self.remove_node(node)
+        self.add_nodes(nodes)
+
+    def transport_of(self, node: int) -> str | None:
+        with self._lock:
+            route = self._routes.get(node)
+        return route[0] if route else None
 
     def remove_node(self, node: int) -> None:
         with self._lock:
             route = self._routes.pop(node, None)
+            self._infos.pop(node, None)
         if route is not None:
             route[1].disconnect(node)
 
@@ -84,6 +107,7 @@ class DataPlane:
             pool, self._pool = self._pool, None
             routes = dict(self._routes)
             self._routes.clear()
+            self._infos.clear()
         if pool is not None:
             pool.shutdown(wait=True)
         for node, (_, client) in routes.items():

@@ -25,6 +25,7 @@ __all__ = [
     "GrantRef",
     "Index",
     "NodeInfo",
+    "NodeRegistry",
     "RegionInfo",
 ]
 
@@ -44,14 +45,13 @@ class AllocationKind(enum.Enum):
 class AllocationRequest:
     key: bytes
     length: int
-    crc: int
 
 
 @attrs.frozen(kw_only=True)
 class Allocation:
     kind: AllocationKind
     descriptor: Descriptor | None = None
-    """The grant (GRANTED) or the existing record (EXISTS)."""
+    """The grant (GRANTED; its ``crc`` is set when it is published) or the existing record."""
 
 
 @attrs.frozen(kw_only=True)
@@ -63,12 +63,19 @@ class AllocateResult:
 
 @attrs.frozen(kw_only=True)
 class GrantRef:
+    """A grant being published (with the CRC32C of what was written) or aborted."""
+
     key: bytes
     version: int
+    crc: int = 0
 
     @classmethod
-    def of(cls, descriptor: Descriptor) -> GrantRef:
-        return cls(key=descriptor.key, version=descriptor.version)
+    def of(cls, descriptor: Descriptor, crc: int | None = None) -> GrantRef:
+        return cls(
+            key=descriptor.key,
+            version=descriptor.version,
+            crc=descriptor.crc if crc is None else crc,
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -121,17 +128,11 @@ class NodeInfo:
 
 @runtime_checkable
 class Index(Protocol):
-    """What the client (and the controller's handlers) need from the index."""
+    """What a client needs from the index; every method is one control round trip."""
 
-    def register_node(self, info: NodeInfo) -> NodeInfo:
-        """Add (or refresh) a node's regions; returns the info with its assigned id."""
+    def nodes(self) -> list[NodeInfo]:
+        """The data nodes and how to reach them."""
         ...
-
-    def remove_node(self, node: int) -> int:
-        """Forget a node and every entry on it; returns how many entries went."""
-        ...
-
-    def nodes(self) -> list[NodeInfo]: ...
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> list[Descriptor]:
         """Descriptors of the leading run of published keys (stops at the first gap)."""
@@ -146,7 +147,11 @@ class Index(Protocol):
     def allocate(self, requests: Sequence[AllocationRequest]) -> AllocateResult: ...
 
     def publish(self, grants: Sequence[GrantRef]) -> list[bool]:
-        """Make written grants visible; False for a grant whose lease ran out."""
+        """Make written grants visible with their CRC; False where the lease ran out.
+
+        The CRC comes with the publish, not the allocate, so a put of values that are
+        already stored costs one round trip and no checksum at all.
+        """
         ...
 
     def abort(self, grants: Sequence[GrantRef]) -> None: ...
@@ -156,3 +161,16 @@ class Index(Protocol):
         ...
 
     def stats(self) -> dict[str, int]: ...
+
+
+@runtime_checkable
+class NodeRegistry(Protocol):
+    """What the controller needs besides :class:`Index`: data nodes joining and leaving."""
+
+    def register_node(self, info: NodeInfo) -> NodeInfo:
+        """Add (or refresh) a node's regions; returns the info with its assigned id."""
+        ...
+
+    def remove_node(self, node: int) -> int:
+        """Forget a node and every entry on it; returns how many entries went."""
+        ...

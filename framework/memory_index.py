@@ -15,6 +15,8 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
+import attrs
+
 from kvfabric.descriptor import Descriptor
 from kvfabric.index import (
     AllocateResult,
@@ -257,7 +259,7 @@ class MemoryIndex:
             length=req.length,
             rkey=slots.rkey,
             version=self._next_version,
-            crc=req.crc,
+            crc=0,
         )
         deadline = now + self._lease
         self._entries[req.key] = _Entry(descriptor, size, deadline)
@@ -273,6 +275,7 @@ class MemoryIndex:
                 entry = self._pending_entry(grant)
                 ok = entry is not None and entry.lease_deadline > now
                 if ok and entry is not None:
+                    entry.descriptor = attrs.evolve(entry.descriptor, crc=grant.crc)
                     entry.state = _State.PUBLISHED
                     entry.retention = 1
                     entry.last_use = now

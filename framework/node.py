@@ -93,6 +93,17 @@ class DataNode:
             ),
         )
 
+    def stats(self) -> dict[str, int]:
+        """Capacity and every transport server's counters, prefixed with its name."""
+        counters = {
+            "capacity_bytes": sum(r.size for r in self.backend.regions()),
+            "regions": len(self.backend.regions()),
+        }
+        for transport, server in self.servers.items():
+            for name, value in server.stats().items():
+                counters[f"{transport}_{name}"] = value
+        return counters
+
     def close(self) -> None:
         for server in self.servers.values():
             with contextlib.suppress(Exception):

@@ -17,7 +17,15 @@ import attrs
 from kvfabric.errors import ConfigError
 from kvfabric.units import parse_duration, parse_size
 
-__all__ = ["SCHEMES", "ClientOptions", "EmbeddedOptions", "StoreUrl", "options_dict", "parse_url"]
+__all__ = [
+    "SCHEMES",
+    "ClientOptions",
+    "EmbeddedOptions",
+    "RemoteOptions",
+    "StoreUrl",
+    "options_dict",
+    "parse_url",
+]
 
 
 def _positive_int(text: str) -> int:
@@ -75,6 +83,18 @@ class EmbeddedOptions(ClientOptions):
     headroom: float = 0.05
 
 
+@attrs.frozen(kw_only=True)
+class RemoteOptions(ClientOptions):
+    """Options of ``kvfabric://HOST:PORT``: a controller and its data nodes."""
+
+    control_timeout: float = 1.0
+    """Bound on one control round trip; past it the lookup is a miss."""
+    retry_interval: float = 1.0
+    """After the controller failed to answer, calls fail fast this long before retrying."""
+    secret_file: str | None = None
+    """File holding the deployment's shared secret (else ``KVFABRIC_SECRET``, if set)."""
+
+
 _PARSERS: dict[str, Callable[[str], Any]] = {
     "timeout": parse_duration,
     "prefetch_entries": _positive_int,
@@ -87,9 +107,15 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "lease": parse_duration,
     "grace": parse_duration,
     "headroom": _fraction,
+    "control_timeout": parse_duration,
+    "retry_interval": parse_duration,
+    "secret_file": str,
 }
 
-SCHEMES: dict[str, type[ClientOptions]] = {"embedded": EmbeddedOptions}
+SCHEMES: dict[str, type[ClientOptions]] = {
+    "embedded": EmbeddedOptions,
+    "kvfabric": RemoteOptions,
+}
 
 
 @attrs.frozen(kw_only=True)
@@ -110,6 +136,8 @@ def parse_url(url: str) -> StoreUrl:
         raise ConfigError(f"unknown store URL scheme in {url!r}; accepted: {accepted}")
     if scheme == "embedded" and (port is not None or parts.path.strip("/")):
         raise ConfigError(f"embedded:// takes at most a name (embedded://NAME), got {url!r}")
+    if scheme == "kvfabric" and (not parts.hostname or port is None):
+        raise ConfigError(f"kvfabric:// needs the controller's HOST:PORT, got {url!r}")
     values = _parse_query(scheme, parts.query, options_cls)
     try:
         options = options_cls(**values)

@@ -26,7 +26,6 @@ from kvfabric.descriptor import Descriptor
 from kvfabric.errors import (
     ControllerUnavailableError,
     InvalidKeyError,
-    TransportError,
     ValidationError,
     ValueTooLargeError,
 )
@@ -112,7 +111,10 @@ class Store:
         self._counters = Counters()
         self._observer_pool: ThreadPoolExecutor | None = None
         self._closed = False
-        self._data.add_nodes(self._rpc(self._index.nodes))
+        self._membership_stale = True
+        # A controller that is down now is not an error: reads miss until it is back.
+        with contextlib.suppress(ControllerUnavailableError):
+            self._refresh_membership()
 
     # -- public API --------------------------------------------------------------------
 
@@ -200,8 +202,7 @@ class Store:
                 )
         self._prefetch.drop(keys)
         requests = [
-            AllocationRequest(key=k, length=v.nbytes, crc=checksum(v))
-            for k, v in zip(keys, views, strict=True)
+            AllocationRequest(key=k, length=v.nbytes) for k, v in zip(keys, views, strict=True)
         ]
         self._counters.add("puts")
         try:
@@ -217,9 +218,9 @@ class Store:
                 outcomes.append(PutOutcome.STORED)
             else:
                 outcomes.append(_OUTCOME_OF[alloc.kind])
-        written, failed = self._write(grants, views, requests)
+        written, failed = self._write(grants, views)
         published = self._publish(written)
-        for i, d in written:
+        for i, d, _ in written:
             if not published.get(i, False):
                 failed.append((i, d))
         for i, _ in failed:
@@ -230,7 +231,7 @@ class Store:
         self._counters.update(
             evictions=result.evictions,
             stored=sum(o is PutOutcome.STORED for o in outcomes),
-            payload_bytes_written=sum(d.length for _, d in written),
+            payload_bytes_written=sum(d.length for _, d, _ in written),
             dedup_hits=sum(o is PutOutcome.DEDUPLICATED for o in outcomes),
             in_flight_skips=sum(o is PutOutcome.IN_FLIGHT for o in outcomes),
             no_space=sum(o is PutOutcome.NO_SPACE for o in outcomes),
@@ -291,12 +292,26 @@ class Store:
         for i, d in zip(missing, self._resolve([keys[i] for i in missing]), strict=True):
             descriptors[i] = d
 
+    def controller_restarted(self, epoch: int) -> None:
+        """The controller came back with a new epoch: node ids and descriptors are stale."""
+        log.warning("kvfabric controller restarted (epoch %x): relearning nodes", epoch)
+        self._prefetch.clear()
+        self._membership_stale = True
+
+    def _refresh_membership(self) -> None:
+        self._membership_stale = False
+        try:
+            self._data.replace_nodes(self._rpc(self._index.nodes))
+        except BaseException:
+            self._membership_stale = True
+            raise
+
     def _ensure_routes(self, nodes: set[int]) -> None:
-        if all(self._data.knows(n) for n in nodes):
+        if not self._membership_stale and all(self._data.knows(n) for n in nodes):
             return
-        # A node joined after we connected: learn the membership once more.
+        # A node joined after we connected, or the controller restarted: relearn.
         with contextlib.suppress(ControllerUnavailableError):
-            self._data.add_nodes(self._rpc(self._index.nodes))
+            self._refresh_membership()
 
     def _read(
         self,
@@ -387,25 +402,31 @@ class Store:
         self,
         grants: dict[int, list[tuple[int, Descriptor]]],
         views: Sequence[memoryview],
-        requests: Sequence[AllocationRequest],
-    ) -> tuple[list[tuple[int, Descriptor]], list[tuple[int, Descriptor]]]:
+    ) -> tuple[list[tuple[int, Descriptor, int]], list[tuple[int, Descriptor]]]:
+        """Checksum and write the granted records, per node (nodes in parallel).
+
+        Returns (index, grant, crc) for records that landed and (index, grant) for the rest.
+        """
         if not grants:
             return [], []
         self._ensure_routes(set(grants))
 
-        def job(node: int, items: list[tuple[int, Descriptor]]) -> list[TransportError | None]:
+        def job(node: int, items: list[tuple[int, Descriptor]]) -> tuple[list[int], list[Any]]:
             _, client = self._data.route(node)
             segments: list[Segment] = []
+            crcs: list[int] = []
             for i, d in items:
-                head = pack_header(d.key, d.version, d.length, requests[i].crc)
+                crc = checksum(views[i])
+                crcs.append(crc)
+                head = pack_header(d.key, d.version, d.length, crc)
                 segments.append(Segment(d.region, d.rkey, d.offset, memoryview(head)))
                 segments.append(Segment(d.region, d.rkey, d.offset + HEADER_SIZE, views[i]))
-            return client.write(node, segments)
+            return crcs, client.write(node, segments)
 
         outcomes = self._data.run_per_node(
             {node: functools.partial(job, node, items) for node, items in grants.items()}
         )
-        written: list[tuple[int, Descriptor]] = []
+        written: list[tuple[int, Descriptor, int]] = []
         failed: list[tuple[int, Descriptor]] = []
         for node, items in grants.items():
             outcome = outcomes[node]
@@ -414,19 +435,22 @@ class Store:
                 self._counters.add("transport_failures")
                 failed.extend(items)
                 continue
-            for n, item in enumerate(items):
-                ok = outcome[2 * n] is None and outcome[2 * n + 1] is None
-                (written if ok else failed).append(item)
+            crcs, errors = outcome
+            for n, (i, d) in enumerate(items):
+                if errors[2 * n] is None and errors[2 * n + 1] is None:
+                    written.append((i, d, crcs[n]))
+                else:
+                    failed.append((i, d))
         return written, failed
 
-    def _publish(self, written: list[tuple[int, Descriptor]]) -> dict[int, bool]:
+    def _publish(self, written: list[tuple[int, Descriptor, int]]) -> dict[int, bool]:
         if not written:
             return {}
         try:
-            flags = self._rpc(self._index.publish, [GrantRef.of(d) for _, d in written])
+            flags = self._rpc(self._index.publish, [GrantRef.of(d, crc) for _, d, crc in written])
         except ControllerUnavailableError:
             return {}
-        return {i: ok for (i, _), ok in zip(written, flags, strict=True)}
+        return {i: ok for (i, _, _), ok in zip(written, flags, strict=True)}
 
     def _observe(self, keys: Sequence[bytes], hits: int) -> None:
         hook = self._plugins.pm.hook.kvfabric_lookup_done

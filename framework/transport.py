@@ -127,6 +127,10 @@ class TransportServer(abc.ABC):
     def register(self, region: Region) -> RegionHandle:
         """Expose a region; only requests carrying its rkey may touch it."""
 
+    def stats(self) -> dict[str, int]:
+        """Counters of work this server did (requests served, bytes, refusals)."""
+        return {}
+
     @abc.abstractmethod
     def close(self) -> None: ...
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from kvfabric.descriptor import Descriptor
-from kvfabric.errors import NotSupportedError
+from kvfabric.errors import TransportError
 from kvfabric.record import HEADER_SIZE
 from kvfabric.store import Store
+from kvfabric.transport import Segment
 
 __all__ = ["corrupt_payload", "resolve_descriptor"]
 
@@ -16,17 +17,22 @@ def resolve_descriptor(store: Store, key: bytes) -> Descriptor | None:
 
 
 def corrupt_payload(store: Store, key: bytes, at: int = 0) -> Descriptor:
-    """Flip one payload byte of ``key``'s record in place, behind the store's back.
+    """Flip one payload byte of ``key``'s record in place, behind the index's back.
 
-    Works on stores whose data node runs in this process (``embedded://``).
+    Goes through the store's own data plane (read the byte, write it back flipped), so it
+    works on every deployment and transport a store can reach.
     """
     descriptor = resolve_descriptor(store, key)
     if descriptor is None:
         raise KeyError(key.hex())
-    node = store.local_node
-    if node is None:
-        raise NotSupportedError("corrupt_payload needs a store whose data node is in-process")
-    region = node.backend.regions()[descriptor.region]
-    position = descriptor.offset + HEADER_SIZE + at % max(descriptor.length, 1)
-    region.view[position] ^= 0xFF
+    store._ensure_routes({descriptor.node})
+    _, client = store._data.route(descriptor.node)
+    offset = descriptor.offset + HEADER_SIZE + at % max(descriptor.length, 1)
+    byte = memoryview(bytearray(1))
+    segment = Segment(descriptor.region, descriptor.rkey, offset, byte)
+    errors = client.read(descriptor.node, [segment])
+    byte[0] ^= 0xFF
+    errors += client.write(descriptor.node, [segment])
+    if any(errors):
+        raise TransportError(f"could not corrupt {key.hex()}: {errors}")
     return descriptor

@@ -34,7 +34,7 @@ def _index(
 
 
 def _put(index: MemoryIndex, *keys: bytes, length: int = 1000) -> list[AllocationKind]:
-    result = index.allocate([AllocationRequest(key=k, length=length, crc=0) for k in keys])
+    result = index.allocate([AllocationRequest(key=k, length=length) for k in keys])
     granted = [
         GrantRef.of(a.descriptor)
         for a in result.allocations
@@ -46,25 +46,26 @@ def _put(index: MemoryIndex, *keys: bytes, length: int = 1000) -> list[Allocatio
 
 def test_grant_then_publish_makes_the_key_visible() -> None:
     index, _ = _index()
-    result = index.allocate([AllocationRequest(key=_key(1), length=100, crc=5)])
+    result = index.allocate([AllocationRequest(key=_key(1), length=100)])
     (grant,) = result.allocations
     assert grant.kind is AllocationKind.GRANTED
     assert grant.descriptor is not None
-    assert grant.descriptor.crc == 5
     assert grant.descriptor.rkey == 42
     assert index.exists([_key(1)]) == [False]  # pending is invisible
-    assert index.publish([GrantRef.of(grant.descriptor)]) == [True]
-    assert index.lookup_prefix([_key(1)]) == [grant.descriptor]
+    assert index.publish([GrantRef.of(grant.descriptor, crc=5)]) == [True]
+    (published,) = index.lookup_prefix([_key(1)])
+    assert published.crc == 5
+    assert published.version == grant.descriptor.version
 
 
 def test_second_writer_is_told_in_flight_and_third_after_publish_exists() -> None:
     index, _ = _index()
-    first = index.allocate([AllocationRequest(key=_key(1), length=100, crc=0)]).allocations[0]
-    again = index.allocate([AllocationRequest(key=_key(1), length=100, crc=0)]).allocations[0]
+    first = index.allocate([AllocationRequest(key=_key(1), length=100)]).allocations[0]
+    again = index.allocate([AllocationRequest(key=_key(1), length=100)]).allocations[0]
     assert again.kind is AllocationKind.IN_FLIGHT
     assert first.descriptor is not None
     index.publish([GrantRef.of(first.descriptor)])
-    third = index.allocate([AllocationRequest(key=_key(1), length=100, crc=0)]).allocations[0]
+    third = index.allocate([AllocationRequest(key=_key(1), length=100)]).allocations[0]
     assert third.kind is AllocationKind.EXISTS
     assert third.descriptor == first.descriptor
     assert index.stats()["dedup_hits"] == 1
@@ -79,13 +80,13 @@ def test_lookup_prefix_stops_at_the_first_gap() -> None:
 
 def test_lease_expiry_frees_the_grant_and_rejects_a_late_publish() -> None:
     index, clock = _index(lease=5.0)
-    grant = index.allocate([AllocationRequest(key=_key(1), length=100, crc=0)]).allocations[0]
+    grant = index.allocate([AllocationRequest(key=_key(1), length=100)]).allocations[0]
     assert grant.descriptor is not None
     clock.now += 6.0
     assert index.publish([GrantRef.of(grant.descriptor)]) == [False]
     index.tick()
     # The key can be granted anew, with a new version.
-    regrant = index.allocate([AllocationRequest(key=_key(1), length=100, crc=0)]).allocations[0]
+    regrant = index.allocate([AllocationRequest(key=_key(1), length=100)]).allocations[0]
     assert regrant.kind is AllocationKind.GRANTED
     assert regrant.descriptor is not None
     assert regrant.descriptor.version > grant.descriptor.version
@@ -94,7 +95,7 @@ def test_lease_expiry_frees_the_grant_and_rejects_a_late_publish() -> None:
 
 def test_abort_releases_the_key() -> None:
     index, _ = _index()
-    grant = index.allocate([AllocationRequest(key=_key(1), length=100, crc=0)]).allocations[0]
+    grant = index.allocate([AllocationRequest(key=_key(1), length=100)]).allocations[0]
     assert grant.descriptor is not None
     index.abort([GrantRef.of(grant.descriptor)])
     assert index.publish([GrantRef.of(grant.descriptor)]) == [False]
@@ -140,14 +141,14 @@ def test_allocate_reports_evictions_it_caused() -> None:
     size = record_size(1000)
     index, _ = _index(capacity=2 * size)
     _put(index, _key(1), _key(2))
-    result = index.allocate([AllocationRequest(key=_key(3), length=1000, crc=0)])
+    result = index.allocate([AllocationRequest(key=_key(3), length=1000)])
     assert result.allocations[0].kind is AllocationKind.GRANTED
     assert result.evictions == 1
 
 
 def test_too_large_for_any_region_is_no_space_and_evicts_nothing_useful() -> None:
     index, _ = _index(capacity=4096)
-    result = index.allocate([AllocationRequest(key=_key(1), length=10_000, crc=0)])
+    result = index.allocate([AllocationRequest(key=_key(1), length=10_000)])
     assert result.allocations[0].kind is AllocationKind.NO_SPACE
 
 
@@ -172,9 +173,9 @@ def test_removing_a_node_drops_its_entries() -> None:
     (node,) = index.nodes()
     assert index.remove_node(node.id) == 2
     assert index.exists([_key(1)]) == [False]
-    assert index.allocate([AllocationRequest(key=_key(3), length=10, crc=0)]).allocations[
-        0
-    ].kind is (AllocationKind.NO_SPACE)
+    assert index.allocate([AllocationRequest(key=_key(3), length=10)]).allocations[0].kind is (
+        AllocationKind.NO_SPACE
+    )
 
 
 def test_reregistering_a_node_keeps_its_id_and_entries() -> None:

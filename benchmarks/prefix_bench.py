@@ -1,0 +1,14 @@
+"""kvfabric against memcpy, a raw socket and Redis: ``python benchmarks/prefix_bench.py``.
+
+The same as ``kvfabric bench`` (see kvfabric.bench for what is measured); arguments pass
+through, e.g. ``--sizes 4MiB --repeat 9 --no-redis``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from kvfabric.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(["bench", *sys.argv[1:]]))

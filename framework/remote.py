@@ -1,0 +1,74 @@
+"""``kvfabric://HOST:PORT``: a client of a controller and its data nodes.
+
+Metadata goes to the controller (one round trip per batched call); bytes go straight to the
+data nodes, each over the best transport both sides have: ``shm`` when the node is on this
+host, else the next one in preference order. ``?transport=NAME`` forces one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvfabric.control_client import ControlClient
+from kvfabric.dataplane import DataPlane
+from kvfabric.errors import KvfabricError
+from kvfabric.options import RemoteOptions
+from kvfabric.plugins import PluginManager, installed_plugins
+from kvfabric.remote_index import RemoteIndex
+from kvfabric.security import Credentials, load_secret
+from kvfabric.store import Store
+from kvfabric.transport import TransportClient, TransportConfig
+
+__all__ = ["PREFERENCE", "open_remote"]
+
+log = logging.getLogger("kvfabric")
+
+PREFERENCE = ("shm", "ucx", "verbs", "tcp")
+"""Built-in transports, best first; other installed ones are used only when forced."""
+
+
+def open_remote(options: RemoteOptions, host: str, port: int, plugins: PluginManager) -> Store:
+    secret = load_secret(options.secret_file)
+    credentials = Credentials.from_secret(secret) if secret else None
+    config = TransportConfig(
+        timeout=options.timeout, token=credentials.data_token if credentials else b""
+    )
+    clients = _transport_clients(options, plugins, config)
+    control = ControlClient(
+        f"tcp://{host}:{port}",
+        timeout=options.control_timeout,
+        retry_interval=options.retry_interval,
+        credentials=credentials,
+    )
+    try:
+        store = Store(
+            index=RemoteIndex(control),
+            data=DataPlane(clients, list(clients)),
+            options=options,
+            plugins=plugins,
+            on_close=[control.close],
+        )
+    except BaseException:
+        control.close()
+        for client in clients.values():
+            client.close()
+        raise
+    control.on_epoch_change = store.controller_restarted
+    return store
+
+
+def _transport_clients(
+    options: RemoteOptions, plugins: PluginManager, config: TransportConfig
+) -> dict[str, TransportClient]:
+    if options.transport:
+        return {options.transport: plugins.transport(options.transport).create_client(config)}
+    installed = {p.name for p in installed_plugins("transport")}
+    clients: dict[str, TransportClient] = {}
+    for name in PREFERENCE:
+        if name not in installed:
+            continue
+        try:
+            clients[name] = plugins.transport(name).create_client(config)
+        except KvfabricError as exc:
+            log.debug("transport %s not usable here: %s", name, exc)
+    return clients

@@ -1,0 +1,217 @@
+"""The server commands: ``kvfabric controller``, ``kvfabric node`` and ``kvfabric serve``.
+
+Each prints one line on stdout once it is ready (tests and scripts wait for it), logs to
+stderr, and shuts down cleanly on SIGINT or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import threading
+
+from kvfabric.agent import NodeAgent
+from kvfabric.backend import BackendConfig
+from kvfabric.controller import Controller
+from kvfabric.memory_index import MemoryIndex
+from kvfabric.node import DataNode
+from kvfabric.security import Credentials, load_secret
+from kvfabric.transport import TransportConfig
+from kvfabric.units import parse_duration, parse_size
+
+__all__ = ["add_server_commands"]
+
+
+def _credentials(args: argparse.Namespace) -> Credentials | None:
+    secret = load_secret(args.secret_file)
+    return Credentials.from_secret(secret) if secret else None
+
+
+def _controller_from(args: argparse.Namespace, credentials: Credentials | None) -> Controller:
+    return Controller(
+        listen=args.listen,
+        index=MemoryIndex(
+            lease=parse_duration(args.lease),
+            grace=parse_duration(args.grace),
+            headroom=args.headroom,
+        ),
+        node_timeout=parse_duration(args.node_timeout),
+        credentials=credentials,
+    )
+
+
+def _node_from(args: argparse.Namespace, credentials: Credentials | None) -> DataNode:
+    return DataNode.create(
+        backend=args.backend,
+        transports=[t.strip() for t in args.transport.split(",") if t.strip()],
+        backend_config=BackendConfig(
+            capacity=parse_size(args.capacity),
+            region_size=min(parse_size(args.region_size), parse_size(args.capacity)),
+            path=args.path,
+        ),
+        transport_config=TransportConfig(
+            host=args.host,
+            port=args.port,
+            timeout=parse_duration(args.timeout),
+            token=credentials.data_token if credentials else b"",
+        ),
+        name=args.name,
+    )
+
+
+def _describe(node: DataNode) -> str:
+    return ", ".join(
+        f"{name}@{server.address.decode(errors='replace')}" if name != "shm" else name
+        for name, server in node.servers.items()
+    )
+
+
+async def _run_controller(controller: Controller, on_ready: str) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, controller.stop)
+
+    def ready(endpoint: str) -> None:
+        print(on_ready.format(endpoint=endpoint), flush=True)
+
+    await controller.serve(ready)
+
+
+def cmd_controller(args: argparse.Namespace) -> int:
+    controller = _controller_from(args, _credentials(args))
+    asyncio.run(_run_controller(controller, "kvfabric controller listening on {endpoint}"))
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    credentials = _credentials(args)
+    node = _node_from(args, credentials)
+    agent = NodeAgent(
+        node,
+        args.controller,
+        heartbeat=parse_duration(args.heartbeat),
+        timeout=parse_duration(args.timeout),
+        credentials=credentials,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    agent.start()
+    print(f"kvfabric node {node.name} serving {_describe(node)}", flush=True)
+    try:
+        stop.wait()
+    finally:
+        agent.stop()
+        node.close()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    credentials = _credentials(args)
+    controller = _controller_from(args, credentials)
+    node = _node_from(args, credentials)
+    agents: list[NodeAgent] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, controller.stop)
+        started = asyncio.Event()
+        endpoint = ""
+
+        def ready(where: str) -> None:
+            nonlocal endpoint
+            endpoint = where
+            started.set()
+
+        serving = asyncio.create_task(controller.serve(ready))
+        await started.wait()
+        agent = NodeAgent(
+            node,
+            endpoint,
+            heartbeat=parse_duration(args.heartbeat),
+            timeout=parse_duration(args.timeout),
+            credentials=credentials,
+        )
+        agents.append(agent)
+        agent.start()
+        await asyncio.to_thread(agent.wait_registered, 10.0)
+        host, _, port = endpoint.rpartition(":")
+        print(
+            f"kvfabric serving on {endpoint}: node {node.name} ({_describe(node)}); "
+            f"connect with kvfabric://{host.removeprefix('tcp://')}:{port}",
+            flush=True,
+        )
+        await serving
+
+    try:
+        asyncio.run(main())
+    finally:
+        for agent in agents:
+            agent.stop()
+        node.close()
+    return 0
+
+
+def _add_controller_options(parser: argparse.ArgumentParser, default_listen: str) -> None:
+    parser.add_argument("--listen", default=default_listen, help="ZeroMQ endpoint to bind")
+    parser.add_argument("--lease", default="30s", help="a writer's time to publish a grant")
+    parser.add_argument("--grace", default="2s", help="how long a freed slot waits for reuse")
+    parser.add_argument(
+        "--headroom", type=float, default=0.05, help="share of capacity kept free ahead of need"
+    )
+    parser.add_argument(
+        "--node-timeout", default="3s", help="drop a node silent for this long, and its entries"
+    )
+
+
+def _add_node_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="dram")
+    parser.add_argument("--capacity", default="4GiB")
+    parser.add_argument("--region-size", default="1GiB")
+    parser.add_argument("--path", default=None, help="backend path (file-backed backends)")
+    parser.add_argument(
+        "--transport", default="tcp,shm", help="comma-separated transports to serve"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address data transports bind")
+    parser.add_argument("--port", type=int, default=0, help="data port (0: any free one)")
+    parser.add_argument("--name", default=None, help="stable node name (default: random)")
+    parser.add_argument("--heartbeat", default="1s")
+    parser.add_argument("--timeout", default="2s", help="bound on one control round trip")
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--secret-file", default=None, help="shared secret (else $KVFABRIC_SECRET, if set)"
+    )
+    parser.add_argument("--log-level", default="INFO")
+
+
+def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    controller = sub.add_parser("controller", help="run the index (one per deployment)")
+    _add_controller_options(controller, "tcp://127.0.0.1:7100")
+    _add_common(controller)
+    controller.set_defaults(func=cmd_controller)
+
+    node = sub.add_parser("node", help="run a data node (one per host or memory pool)")
+    node.add_argument("--controller", default="tcp://127.0.0.1:7100")
+    _add_node_options(node)
+    _add_common(node)
+    node.set_defaults(func=cmd_node)
+
+    serve = sub.add_parser("serve", help="controller and one data node in one process")
+    _add_controller_options(serve, "tcp://127.0.0.1:7100")
+    _add_node_options(serve)
+    _add_common(serve)
+    serve.set_defaults(func=cmd_serve)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )

@@ -1,0 +1,192 @@
+"""The controller as a real process: counted round trips, bad frames, stats, secrets."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+import kvfabric
+from kvfabric import PutOutcome
+from kvfabric.keys import chain_keys
+from kvfabric.protocol import MAGIC, PROTOCOL_VERSION, MsgType, decode_header, encode
+from kvfabric.testing import Cluster, free_port
+
+
+def _keys(n: int) -> list[bytes]:
+    return chain_keys(list(range(n)), 1, namespace=uuid.uuid4().bytes)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Cluster(nodes=2, transports=("tcp", "shm")) as c:
+        yield c
+
+
+def _rpcs(cluster: Cluster) -> int:
+    return cluster.stats()["controller"]["rpcs"]
+
+
+@pytest.mark.parametrize("n", [1, 64, 1024])
+def test_contains_and_get_of_prefetched_keys_is_one_rpc_at_the_controller(
+    cluster: Cluster, n: int
+) -> None:
+    with kvfabric.connect(cluster.url()) as store:
+        keys = _keys(n)
+        values = [os.urandom(200) for _ in keys]
+        store.batched_put(keys, values)
+        before = _rpcs(cluster)
+        assert store.batched_contains(keys) == n
+        got = store.batched_get(keys)
+        assert _rpcs(cluster) - before == 1
+        assert [bytes(g) if g is not None else None for g in got] == values
+
+
+@pytest.mark.parametrize("n", [1, 64, 1024])
+def test_put_is_at_most_two_rpcs_at_the_controller(cluster: Cluster, n: int) -> None:
+    with kvfabric.connect(cluster.url()) as store:
+        keys = _keys(n)
+        before = _rpcs(cluster)
+        assert set(store.batched_put(keys, [b"v" * 100] * n)) == {PutOutcome.STORED}
+        assert _rpcs(cluster) - before <= 2
+        before = _rpcs(cluster)
+        assert set(store.batched_put(keys, [b"v" * 100] * n)) == {PutOutcome.DEDUPLICATED}
+        assert _rpcs(cluster) - before == 1
+
+
+def test_writes_spread_over_nodes_and_reads_come_back_from_each(cluster: Cluster) -> None:
+    with kvfabric.connect(cluster.url()) as store:
+        keys = _keys(200)
+        values = [os.urandom(10_000) for _ in keys]
+        store.batched_put(keys, values)
+        nodes = {store._index.resolve([k])[0].node for k in keys[:50]}  # type: ignore[union-attr]
+        assert len(nodes) == 2
+        got = store.batched_get(keys)
+        assert [bytes(g) if g is not None else None for g in got] == values
+
+
+def test_same_host_nodes_are_read_over_shm_unless_tcp_is_forced(cluster: Cluster) -> None:
+    keys = _keys(1)
+    with (
+        kvfabric.connect(cluster.url()) as auto,
+        kvfabric.connect(cluster.url(transport="tcp")) as forced,
+    ):
+        auto.batched_put(keys, [b"x"])
+        node = auto._index.resolve(keys)[0].node  # type: ignore[union-attr]
+        assert auto.batched_get(keys)[0] is not None
+        assert forced.batched_get(keys)[0] is not None
+        assert auto._data.transport_of(node) == "shm"
+        assert forced._data.transport_of(node) == "tcp"
+
+
+def _dealer(cluster: Cluster) -> zmq.Socket[bytes]:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.rcvtimeo = 2000
+    sock.connect(cluster.endpoint)
+    return sock
+
+
+@pytest.mark.parametrize(
+    ("frames", "expect"),
+    [
+        ([b"garbage"], "shorter than the header"),
+        ([b"X" * 40], "bad magic"),
+        ([struct.pack("<4sHHQQ", MAGIC, 99, 2, 7, 0)], "protocol version"),
+        ([encode(1234, 7)], "unknown message type"),
+        ([encode(MsgType.LOOKUP_PREFIX, 7, struct.pack("<I", 5) + b"k" * 10)], "does not fit"),
+        ([encode(MsgType.LOOKUP_PREFIX, 7, struct.pack("<I", 10**9))], "does not fit"),
+        ([encode(MsgType.NODES, 7, b"trailing")], "unexpected bytes"),
+    ],
+)
+def test_malformed_frames_get_an_error_reply_and_the_controller_keeps_serving(
+    cluster: Cluster, frames: list[bytes], expect: str
+) -> None:
+    sock = _dealer(cluster)
+    try:
+        sock.send_multipart(frames)
+        header, reader = decode_header(sock.recv())
+        assert header.type == MsgType.ERROR
+        reader.u32()
+        assert expect in reader.text()
+    finally:
+        sock.close()
+    with kvfabric.connect(cluster.url()) as store:
+        keys = _keys(3)
+        store.batched_put(keys, [b"a", b"b", b"c"])
+        assert store.batched_contains(keys) == 3
+
+
+def test_random_bytes_on_the_control_port_leave_it_serving(cluster: Cluster) -> None:
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", cluster.port), timeout=2) as raw:
+            raw.sendall(os.urandom(4096))
+    sock = _dealer(cluster)
+    sock.send_multipart([b"a", b"b", b"c"])  # a multi-frame message: not ours, dropped
+    sock.close()
+    with kvfabric.connect(cluster.url()) as store:
+        keys = _keys(2)
+        store.batched_put(keys, [b"a", b"b"])
+        assert store.batched_contains(keys) == 2
+    assert cluster.stats()["controller"]["bad_frames"] >= 1
+
+
+def test_random_bytes_on_a_data_port_leave_it_serving(cluster: Cluster) -> None:
+    with kvfabric.connect(cluster.url(transport="tcp")) as store:
+        keys = _keys(4)
+        values = [os.urandom(5000) for _ in keys]
+        store.batched_put(keys, values)
+        nodes = store._index.nodes()
+        for node in nodes:
+            address = next(e for e in node.endpoints if e.transport == "tcp").address
+            host, port = address.decode().rsplit(":", 1)
+            for junk in (os.urandom(7), os.urandom(100_000), b"\x00" * 64):
+                with socket.create_connection((host, int(port)), timeout=2) as raw:
+                    raw.sendall(junk)
+        got = store.batched_get(keys)
+        assert [bytes(g) if g is not None else None for g in got] == values
+
+
+def test_stats_command_prints_index_and_node_counters(cluster: Cluster) -> None:
+    with kvfabric.connect(cluster.url()) as store:
+        keys = _keys(5)
+        store.batched_put(keys, [b"x" * 1000] * 5)
+        store.batched_contains(keys)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvfabric.cli", "stats", "--controller", cluster.endpoint],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith("kvfabric: capacity 512.0 MiB")
+    assert "hit rate" in out
+    rows = [line.split() for line in out.splitlines()[2:]]
+    scopes = {row[0] for row in rows}
+    assert {"controller", "index", "node"} <= scopes
+    index = {row[1]: row[-1] for row in rows if row[0] == "index"}
+    assert int(index["entries"]) >= 5
+
+
+def test_unknown_controller_makes_lookups_miss_and_puts_fail_without_raising() -> None:
+    port = free_port()
+    with kvfabric.connect(f"kvfabric://127.0.0.1:{port}?control_timeout=200ms") as store:
+        keys = _keys(3)
+        assert store.batched_contains(keys) == 0
+        assert store.batched_get(keys) == [None, None, None]
+        assert store.batched_put(keys, [b"a", b"b", b"c"]) == [PutOutcome.FAILED] * 3
+        assert store.stats()["controller_unavailable"] >= 1
+
+
+def test_header_constants_match_the_documented_layout() -> None:
+    frame = encode(MsgType.NODES, 42, b"", epoch=9)
+    assert frame[:4] == MAGIC
+    assert struct.unpack_from("<HHQQ", frame, 4) == (PROTOCOL_VERSION, MsgType.NODES, 42, 9)

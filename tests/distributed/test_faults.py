@@ -1,0 +1,212 @@
+"""Faults with real processes: dead and stalled nodes, a dead controller, secrets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+import kvfabric
+from kvfabric import PutOutcome, Store
+from kvfabric.keys import chain_keys
+from kvfabric.testing import Cluster
+
+
+def _keys(n: int) -> list[bytes]:
+    return chain_keys(list(range(n)), 1, namespace=uuid.uuid4().bytes)
+
+
+def _as_bytes(values: list[memoryview | None]) -> list[bytes | None]:
+    return [bytes(v) if v is not None else None for v in values]
+
+
+@pytest.fixture
+def two_nodes() -> Iterator[Cluster]:
+    with Cluster(nodes=2, transports=("tcp",)) as c:
+        yield c
+
+
+def _by_node(store: Store, keys: list[bytes]) -> dict[str, list[int]]:
+    names = {n.id: n.name for n in store._index.nodes()}
+    out: dict[str, list[int]] = {}
+    for i, d in enumerate(store._index.resolve(keys)):
+        assert d is not None
+        out.setdefault(names[d.node], []).append(i)
+    return out
+
+
+def test_killing_a_node_during_a_get_gives_misses_in_time_and_the_rest_keeps_working(
+    two_nodes: Cluster,
+) -> None:
+    with kvfabric.connect(two_nodes.url(timeout="1s")) as store:
+        keys = _keys(32)
+        values = [os.urandom(1 << 20) for _ in keys]
+        assert store.batched_put(keys, values) == [PutOutcome.STORED] * 32
+        placement = _by_node(store, keys)
+        assert set(placement) == {"node0", "node1"}
+        assert store.batched_contains(keys) == 32
+
+        # Freeze node0 so the get is certainly in flight when it dies.
+        two_nodes.signal_node(0, signal.SIGSTOP)
+        result: list[list[memoryview | None]] = []
+        reader = threading.Thread(target=lambda: result.append(store.batched_get(keys)))
+        started = time.monotonic()
+        reader.start()
+        time.sleep(0.3)
+        two_nodes.kill_node(0)
+        reader.join(timeout=10)
+        elapsed = time.monotonic() - started
+        assert not reader.is_alive()
+        assert elapsed < 1.0 + 2.0  # the 1 s timeout plus slack; a hang would be far beyond
+        got = _as_bytes(result[0])
+        for i in placement["node0"]:
+            assert got[i] is None
+        for i in placement["node1"]:
+            assert got[i] == values[i]
+
+        # The controller drops the dead node and its entries after missed heartbeats.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and two_nodes.node_names() != ["node1"]:
+            time.sleep(0.1)
+        assert two_nodes.node_names() == ["node1"]
+        assert store.batched_exists([keys[i] for i in placement["node0"]]) == [False] * len(
+            placement["node0"]
+        )
+
+        # The same client goes on with the surviving node.
+        fresh = _keys(8)
+        fresh_values = [os.urandom(4096) for _ in fresh]
+        assert store.batched_put(fresh, fresh_values) == [PutOutcome.STORED] * 8
+        assert store.batched_contains(fresh) == 8
+        assert _as_bytes(store.batched_get(fresh)) == fresh_values
+
+
+def test_a_stalled_node_turns_reads_into_misses_within_the_timeout(two_nodes: Cluster) -> None:
+    with kvfabric.connect(two_nodes.url(timeout="500ms")) as store:
+        keys = _keys(16)
+        values = [os.urandom(50_000) for _ in keys]
+        store.batched_put(keys, values)
+        placement = _by_node(store, keys)
+        two_nodes.signal_node(1, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            got = _as_bytes(store.batched_get(keys))
+            assert time.monotonic() - started < 0.5 + 2.0
+            assert all(got[i] is None for i in placement["node1"])
+            assert all(got[i] == values[i] for i in placement["node0"])
+        finally:
+            two_nodes.signal_node(1, signal.SIGCONT)
+        # Once it runs again, a new read gets everything (if it was not dropped meanwhile).
+        time.sleep(0.2)
+        if two_nodes.node_names() == ["node0", "node1"]:
+            assert _as_bytes(store.batched_get(keys)) == values
+
+
+def test_controller_restart_gives_misses_meanwhile_and_the_client_reconnects_itself() -> None:
+    with Cluster(nodes=1, transports=("tcp", "shm")) as cluster:
+        url = cluster.url(control_timeout="300ms", retry_interval="200ms")
+        with kvfabric.connect(url) as store:
+            keys = _keys(10)
+            values = [os.urandom(2048) for _ in keys]
+            store.batched_put(keys, values)
+            assert store.batched_contains(keys) == 10
+
+            cluster.kill_controller()
+            started = time.monotonic()
+            assert store.batched_contains(keys) == 0
+            assert store.batched_put(_keys(2), [b"a", b"b"]) == [PutOutcome.FAILED] * 2
+            assert store.batched_exists(keys) == [False] * 10
+            assert time.monotonic() - started < 3.0
+
+            cluster.start_controller()
+            cluster.wait_nodes(1)  # the node re-registers with the new controller by itself
+            deadline = time.monotonic() + 10
+            fresh = _keys(6)
+            fresh_values = [os.urandom(1000) for _ in fresh]
+            outcomes: list[PutOutcome] = []
+            while time.monotonic() < deadline:
+                outcomes = store.batched_put(fresh, fresh_values)
+                if outcomes == [PutOutcome.STORED] * 6:
+                    break
+                time.sleep(0.1)
+            assert outcomes == [PutOutcome.STORED] * 6
+            assert store.batched_contains(fresh) == 6
+            assert _as_bytes(store.batched_get(fresh)) == fresh_values
+            # The new controller starts empty: old keys are misses, never wrong values.
+            assert store.batched_contains(keys) == 0
+            got = store.batched_get(keys)
+            assert all(g is None or bytes(g) == v for g, v in zip(got, values, strict=True))
+
+
+def test_a_node_joining_later_is_used_by_existing_clients() -> None:
+    with Cluster(nodes=1, transports=("tcp",)) as cluster, kvfabric.connect(cluster.url()) as store:
+        store.batched_put(_keys(4), [b"x"] * 4)
+        cluster.add_node()
+        cluster.wait_nodes(2)
+        keys = _keys(100)
+        values = [os.urandom(3000) for _ in keys]
+        store.batched_put(keys, values)
+        assert set(_by_node(store, keys)) == {"node0", "node1"}
+        assert _as_bytes(store.batched_get(keys)) == values
+
+
+def test_a_shared_secret_admits_clients_that_know_it_and_only_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    secret = b"correct horse battery staple"
+    with Cluster(nodes=1, transports=("tcp",), secret=secret) as cluster:
+        monkeypatch.setenv("KVFABRIC_SECRET", secret.decode())
+        with kvfabric.connect(cluster.url(transport="tcp")) as store:
+            keys = _keys(3)
+            values = [b"one", b"two", b"three"]
+            assert store.batched_put(keys, values) == [PutOutcome.STORED] * 3
+            assert store.batched_contains(keys) == 3
+            assert _as_bytes(store.batched_get(keys)) == values
+        monkeypatch.setenv("KVFABRIC_SECRET", "a wrong guess")
+        with kvfabric.connect(cluster.url(control_timeout="300ms")) as intruder:
+            assert intruder.batched_contains(keys) == 0
+            assert intruder.batched_put(keys, values) == [PutOutcome.FAILED] * 3
+        monkeypatch.delenv("KVFABRIC_SECRET")
+        with kvfabric.connect(cluster.url(control_timeout="300ms")) as anonymous:
+            assert anonymous.batched_contains(keys) == 0
+
+
+def test_serve_runs_controller_and_node_in_one_process() -> None:
+    from kvfabric.testing import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvfabric.cli",
+            "serve",
+            "--listen",
+            f"tcp://127.0.0.1:{port}",
+            "--capacity",
+            "64MiB",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert f"connect with kvfabric://127.0.0.1:{port}" in line
+        with kvfabric.connect(f"kvfabric://127.0.0.1:{port}") as store:
+            keys = _keys(5)
+            values = [os.urandom(777) for _ in keys]
+            store.batched_put(keys, values)
+            assert store.batched_contains(keys) == 5
+            assert _as_bytes(store.batched_get(keys)) == values
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0

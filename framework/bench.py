@@ -68,6 +68,18 @@ _FLOOR_SERVER = textwrap.dedent(
 )
 
 
+_ZMQ_ECHO = textwrap.dedent(
+    """
+    import zmq
+    sock = zmq.Context().socket(zmq.ROUTER)
+    print(sock.bind_to_random_port("tcp://127.0.0.1"), flush=True)
+    while True:
+        ident, message = sock.recv_multipart()
+        sock.send_multipart([ident, message[:64]])
+    """
+)
+
+
 @attrs.frozen
 class BenchRow:
     system: str
@@ -145,7 +157,31 @@ def _floors(count: int, size: int, repeat: int) -> list[BenchRow]:
         rows.append(BenchRow("raw socket", "stream", size, count, _median(stream, repeat)))
         rtt = _median(round_trip, max(repeat, 50))
         rows.append(BenchRow("raw socket", "small RTT", 2048, 1, rtt, "2 KiB out, 64 B back"))
+    rows.append(_zmq_round_trip(max(repeat, 50)))
     return rows
+
+
+def _zmq_round_trip(repeat: int) -> BenchRow:
+    """The same small round trip through ZeroMQ (DEALER to ROUTER): the control plane's floor."""
+    import zmq
+
+    proc = subprocess.Popen([sys.executable, "-c", _ZMQ_ECHO], stdout=subprocess.PIPE, text=True)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        assert proc.stdout is not None
+        sock.connect(f"tcp://127.0.0.1:{int(proc.stdout.readline())}")
+        message = bytes(2048)
+
+        def round_trip() -> None:
+            sock.send(message)
+            sock.recv()
+
+        seconds = _median(round_trip, repeat)
+    finally:
+        sock.close(linger=0)
+        proc.kill()
+        proc.wait()
+    return BenchRow("zeromq", "small RTT", 2048, 1, seconds, "2 KiB out, 64 B back")
 
 
 def _kvfabric(
@@ -362,9 +398,10 @@ def _print_table(rows: list[BenchRow], size: int, count: int, repeat: int, out: 
     memcpy = _find(rows, "memcpy", "copy", size)
     stream = _find(rows, "raw socket", "stream", size)
     rtt = _find(rows, "raw socket", "small RTT", size)
+    zrtt = _find(rows, "zeromq", "small RTT", size)
     redis_get = _find(rows, "redis", "get", size)
     for row in rows:
-        if row.phase == "small RTT" and row is not rtt:
+        if row.phase == "small RTT" and row is not rtt and row is not zrtt:
             continue
         vs = ""
         if row.phase == "get" and row.system == "kvfabric tcp" and stream:
@@ -377,6 +414,8 @@ def _print_table(rows: list[BenchRow], size: int, count: int, repeat: int, out: 
                 vs += f", {redis_get.seconds / row.seconds:.1f}x redis"
         elif row.phase == "contains" and rtt:
             vs = f"{row.seconds / rtt.seconds:.2f}x a raw small round trip"
+            if zrtt:
+                vs += f", {row.seconds / zrtt.seconds:.2f}x a zeromq one"
         elif row.phase == "re-put":
             put = _find(rows, row.system, "put", size)
             if put:

@@ -88,10 +88,15 @@ class ControlClient:
         request_id = next(self._ids)
         deadline = now + self.timeout
         sock = self._socket()
+        frame = encode(msg_type, request_id, body)
         try:
-            if not sock.poll(self._remaining_ms(deadline), zmq.POLLOUT):
-                raise ControllerUnavailableError(f"no controller at {self.endpoint}")
-            sock.send(encode(msg_type, request_id, body), zmq.NOBLOCK)
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                # Not connected (yet): the socket never queues for an absent controller.
+                if not sock.poll(self._remaining_ms(deadline), zmq.POLLOUT):
+                    raise ControllerUnavailableError(f"no controller at {self.endpoint}") from None
+                sock.send(frame, zmq.NOBLOCK)
             while True:
                 if not sock.poll(self._remaining_ms(deadline), zmq.POLLIN):
                     raise ControllerUnavailableError(

@@ -1,24 +1,22 @@
-"""The controller: the index behind a ZeroMQ ROUTER socket, on asyncio.
+"""The controller: the index behind a ZeroMQ ROUTER socket.
 
 It owns the index and the slot maps of every data node, never payload bytes. Each request
-is decoded, served from the in-memory index (microseconds per key, so inline on the loop),
+is decoded, served from the in-memory index (microseconds per key, so inline in the loop),
 and answered; any frame it cannot serve gets an ERROR reply and the loop goes on. Data nodes
 register and heartbeat; a node silent for ``node_timeout`` is dropped with all its entries.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import secrets
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from kvfabric import protocol as p
 from kvfabric.codec import Reader, Writer
@@ -73,7 +71,7 @@ class Controller:
         self._last_seen: dict[int, float] = {}
         self._node_stats: dict[int, dict[str, int]] = {}
         self._counters: Counter[str] = Counter()
-        self._stopping = asyncio.Event()
+        self._stopping = threading.Event()
         self._handlers: dict[int, Callable[[Reader], bytes]] = {
             MsgType.NODES: self._nodes,
             MsgType.LOOKUP_PREFIX: self._lookup_prefix,
@@ -90,8 +88,9 @@ class Controller:
 
     # -- serving ---------------------------------------------------------------------------
 
-    async def serve(self, ready: Callable[[str], None] | None = None) -> None:
-        context = zmq.asyncio.Context()
+    def serve(self, ready: Callable[[str], None] | None = None) -> None:
+        """Serve until :meth:`stop` is called (from any thread or a signal handler)."""
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         authenticator = None
         sock = context.socket(zmq.ROUTER)
         sock.linger = 0
@@ -104,30 +103,33 @@ class Controller:
             log.info("controller listening on %s (epoch %x)", self.endpoint, self.epoch)
             if ready is not None:
                 ready(self.endpoint)
-            maintenance = asyncio.create_task(self._maintain())
-            receiver = asyncio.create_task(self._receive(sock))
-            try:
-                await self._stopping.wait()
-            finally:
-                for task in (receiver, maintenance):
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+            self._loop(sock)
         finally:
             sock.close(linger=0)
             if authenticator is not None:
                 authenticator.stop()
             context.term()
 
-    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            frames = await sock.recv_multipart()
-            reply = self._reply_to(frames)
-            if reply is not None:
-                await sock.send_multipart([frames[0], reply])
+    def _loop(self, sock: zmq.Socket[bytes]) -> None:
+        # A plain poll loop, not asyncio: measured here, an asyncio ROUTER adds ~40 us to
+        # every round trip (100 us vs 58 us for a 2 KiB echo), and lookups are the hot path.
+        next_tick = time.monotonic() + self.tick
+        while not self._stopping.is_set():
+            timeout = max(0, int((next_tick - time.monotonic()) * 1000))
+            # Drain what is queued without raising zmq.Again (an exception costs more than
+            # a flags check), then poll again.
+            if sock.poll(timeout, zmq.POLLIN):
+                while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                    reply = self._reply_to(frames)
+                    if reply is not None:
+                        sock.send_multipart([frames[0], reply])
+            if time.monotonic() >= next_tick:
+                self._maintain()
+                next_tick = time.monotonic() + self.tick
 
-    def _start_authenticator(self, context: zmq.asyncio.Context) -> Any:
-        from zmq.auth.asyncio import AsyncioAuthenticator
+    def _start_authenticator(self, context: zmq.Context[zmq.Socket[bytes]]) -> Any:
+        from zmq.auth.thread import ThreadAuthenticator
 
         assert self._credentials is not None
         allowed = self._credentials.client_public
@@ -136,7 +138,7 @@ class Controller:
             def callback(self, domain: str, key: bytes) -> bool:
                 return key == allowed
 
-        authenticator = AsyncioAuthenticator(context)
+        authenticator = ThreadAuthenticator(context)
         authenticator.start()
         authenticator.configure_curve_callback("*", credentials_provider=_SharedSecret())
         return authenticator
@@ -178,23 +180,21 @@ class Controller:
     def _error(self, request_id: int, code: ErrorCode, message: str) -> bytes:
         return p.encode(MsgType.ERROR, request_id, p.write_error(code, message), self.epoch)
 
-    async def _maintain(self) -> None:
-        while True:
-            await asyncio.sleep(self.tick)
-            self.index.tick()
-            now = time.monotonic()
-            for node, seen in list(self._last_seen.items()):
-                if now - seen > self.node_timeout:
-                    dropped = self.index.remove_node(node)
-                    del self._last_seen[node]
-                    self._node_stats.pop(node, None)
-                    self._counters["nodes_dropped"] += 1
-                    log.warning(
-                        "node %d missed heartbeats for %.1fs: dropped with %d entries",
-                        node,
-                        now - seen,
-                        dropped,
-                    )
+    def _maintain(self) -> None:
+        self.index.tick()
+        now = time.monotonic()
+        for node, seen in list(self._last_seen.items()):
+            if now - seen > self.node_timeout:
+                dropped = self.index.remove_node(node)
+                del self._last_seen[node]
+                self._node_stats.pop(node, None)
+                self._counters["nodes_dropped"] += 1
+                log.warning(
+                    "node %d missed heartbeats for %.1fs: dropped with %d entries",
+                    node,
+                    now - seen,
+                    dropped,
+                )
 
     # -- handlers --------------------------------------------------------------------------
 

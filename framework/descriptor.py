@@ -50,31 +50,42 @@ class Descriptor:
     rkey: int = attrs.field(validator=_u64)
     version: int = attrs.field(validator=_u64)
     crc: int = attrs.field(validator=_u32)
+    # The wire form, packed once: a published descriptor is sent in many lookup replies.
+    _wire: bytes | None = attrs.field(default=None, init=False, eq=False, hash=False, repr=False)
 
     def to_bytes(self) -> bytes:
-        return _WIRE.pack(
-            self.key,
-            self.node,
-            self.region,
-            self.offset,
-            self.length,
-            self.rkey,
-            self.version,
-            self.crc,
-        )
+        wire = self._wire
+        if wire is None:
+            wire = _WIRE.pack(
+                self.key,
+                self.node,
+                self.region,
+                self.offset,
+                self.length,
+                self.rkey,
+                self.version,
+                self.crc,
+            )
+            object.__setattr__(self, "_wire", wire)
+        return wire
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview, offset: int = 0) -> Descriptor:
         if len(data) - offset < DESCRIPTOR_SIZE:
             raise ProtocolError(f"descriptor needs {DESCRIPTOR_SIZE} bytes")
-        return _unchecked(*_WIRE.unpack_from(data, offset))
+        wire = bytes(data[offset : offset + DESCRIPTOR_SIZE])
+        return _unchecked(wire, *_WIRE.unpack(wire))
 
     @classmethod
     def many_from_bytes(cls, data: bytes | memoryview) -> list[Descriptor]:
         """Decode back-to-back wire forms (``len(data)`` a multiple of the size)."""
         if len(data) % DESCRIPTOR_SIZE:
             raise ProtocolError(f"descriptors come in {DESCRIPTOR_SIZE}-byte units")
-        return [_unchecked(*fields) for fields in _WIRE.iter_unpack(data)]
+        size = DESCRIPTOR_SIZE
+        return [
+            _unchecked(data[i * size : (i + 1) * size], *fields)
+            for i, fields in enumerate(_WIRE.iter_unpack(data))
+        ]
 
 
 _new = object.__new__
@@ -82,7 +93,15 @@ _set = object.__setattr__
 
 
 def _unchecked(
-    key: bytes, node: int, region: int, offset: int, length: int, rkey: int, version: int, crc: int
+    wire: bytes | memoryview,
+    key: bytes,
+    node: int,
+    region: int,
+    offset: int,
+    length: int,
+    rkey: int,
+    version: int,
+    crc: int,
 ) -> Descriptor:
     # Fields unpacked from the fixed wire form are in range by construction, so the
     # validators (a few microseconds per descriptor, on every lookup reply) are skipped.
@@ -95,4 +114,5 @@ def _unchecked(
     _set(d, "rkey", rkey)
     _set(d, "version", version)
     _set(d, "crc", crc)
+    _set(d, "_wire", bytes(wire))
     return d

@@ -178,11 +178,13 @@ class MemoryIndex:
         with self._lock:
             now = self._clock()
             found: list[Descriptor] = []
-            for key in keys:
-                entry = self._entries.get(key)
-                if entry is None or entry.state is not _State.PUBLISHED:
+            entries, touch, published = self._entries, self._lru.move_to_end, _State.PUBLISHED
+            for key in keys:  # the hottest loop of the controller: kept flat
+                entry = entries.get(key)
+                if entry is None or entry.state is not published:
                     break
-                self._touch(key, entry, now)
+                entry.last_use = now
+                touch(key)
                 found.append(entry.descriptor)
             self._counters["lookups"] += 1
             self._counters["lookup_keys"] += len(keys)

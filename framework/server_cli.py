@@ -7,11 +7,11 @@ stderr, and shuts down cleanly on SIGINT or SIGTERM.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 from kvfabric.agent import NodeAgent
 from kvfabric.backend import BackendConfig
@@ -69,20 +69,17 @@ def _describe(node: DataNode) -> str:
     )
 
 
-async def _run_controller(controller: Controller, on_ready: str) -> None:
-    loop = asyncio.get_running_loop()
+def _stop_on_signals(stop: Callable[[], None]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, controller.stop)
-
-    def ready(endpoint: str) -> None:
-        print(on_ready.format(endpoint=endpoint), flush=True)
-
-    await controller.serve(ready)
+        signal.signal(sig, lambda *_: stop())
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
     controller = _controller_from(args, _credentials(args))
-    asyncio.run(_run_controller(controller, "kvfabric controller listening on {endpoint}"))
+    _stop_on_signals(controller.stop)
+    controller.serve(
+        lambda endpoint: print(f"kvfabric controller listening on {endpoint}", flush=True)
+    )
     return 0
 
 
@@ -114,21 +111,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     controller = _controller_from(args, credentials)
     node = _node_from(args, credentials)
     agents: list[NodeAgent] = []
+    _stop_on_signals(controller.stop)
 
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, controller.stop)
-        started = asyncio.Event()
-        endpoint = ""
-
-        def ready(where: str) -> None:
-            nonlocal endpoint
-            endpoint = where
-            started.set()
-
-        serving = asyncio.create_task(controller.serve(ready))
-        await started.wait()
+    def ready(endpoint: str) -> None:
+        # The controller is bound: start the node's agent against it, announce when it is in.
         agent = NodeAgent(
             node,
             endpoint,
@@ -138,17 +124,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         agents.append(agent)
         agent.start()
-        await asyncio.to_thread(agent.wait_registered, 10.0)
-        host, _, port = endpoint.rpartition(":")
+        threading.Thread(target=announce, args=(agent, endpoint), daemon=True).start()
+
+    def announce(agent: NodeAgent, endpoint: str) -> None:
+        if agent.wait_registered(30.0) is None:
+            print("kvfabric serve: the node did not register", file=sys.stderr, flush=True)
+            controller.stop()
+            return
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
         print(
             f"kvfabric serving on {endpoint}: node {node.name} ({_describe(node)}); "
-            f"connect with kvfabric://{host.removeprefix('tcp://')}:{port}",
+            f"connect with kvfabric://{host}:{port}",
             flush=True,
         )
-        await serving
 
     try:
-        asyncio.run(main())
+        controller.serve(ready)
     finally:
         for agent in agents:
             agent.stop()

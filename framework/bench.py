@@ -166,7 +166,7 @@ def _zmq_round_trip(repeat: int) -> BenchRow:
     import zmq
 
     proc = subprocess.Popen([sys.executable, "-c", _ZMQ_ECHO], stdout=subprocess.PIPE, text=True)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     try:
         assert proc.stdout is not None
         sock.connect(f"tcp://127.0.0.1:{int(proc.stdout.readline())}")

@@ -119,7 +119,7 @@ class Controller:
             # Drain what is queued without raising zmq.Again (an exception costs more than
             # a flags check), then poll again.
             if sock.poll(timeout, zmq.POLLIN):
-                while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                     reply = self._reply_to(frames)
                     if reply is not None:

@@ -54,6 +54,7 @@ def _node_from(args: argparse.Namespace, credentials: Credentials | None) -> Dat
         ),
         transport_config=TransportConfig(
             host=args.host,
+            advertise=args.advertise,
             port=args.port,
             timeout=parse_duration(args.timeout),
             token=credentials.data_token if credentials else b"",
@@ -168,6 +169,9 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
         "--transport", default="tcp,shm", help="comma-separated transports to serve"
     )
     parser.add_argument("--host", default="127.0.0.1", help="address data transports bind")
+    parser.add_argument(
+        "--advertise", default=None, help="host clients use to reach this node (for 0.0.0.0)"
+    )
     parser.add_argument("--port", type=int, default=0, help="data port (0: any free one)")
     parser.add_argument("--name", default=None, help="stable node name (default: random)")
     parser.add_argument("--heartbeat", default="1s")

@@ -106,7 +106,9 @@ class Segment:
 @attrs.frozen(kw_only=True)
 class TransportConfig:
     host: str = "127.0.0.1"
-    """Address the server side binds (and advertises)."""
+    """Address the server side binds (and advertises, unless ``advertise`` is set)."""
+    advertise: str | None = None
+    """Host clients should use to reach this server, when it differs from ``host``."""
     port: int = 0
     timeout: float = 2.0
     """Bound on one batched call; a node that does not answer in time is a miss."""

@@ -250,6 +250,9 @@ class _TcpServer(TransportServer):
             self._listener.close()
             raise TransportError(f"tcp: cannot listen on {config.host}:{config.port}") from exc
         host, port = self._listener.getsockname()[:2]
+        # A wildcard bind (0.0.0.0) is not an address a client can use: advertise the one
+        # the operator names instead.
+        host = config.advertise or host
         self._address = (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode()
         self._acceptor = threading.Thread(
             target=self._accept_loop, name="kvfabric-tcp-accept", daemon=True

@@ -40,6 +40,7 @@ class RegionServer:
         backend: str = "dram",
         capacity: int = 8 * _MIB,
         region_size: int = 4 * _MIB,
+        token: str = "",
         env: dict[str, str] | None = None,
     ) -> None:
         self.process = subprocess.Popen(
@@ -55,6 +56,8 @@ class RegionServer:
                 str(capacity),
                 "--region-size",
                 str(region_size),
+                "--token",
+                token,
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

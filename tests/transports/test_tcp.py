@@ -11,8 +11,6 @@ import os
 import signal
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +21,6 @@ import pytest
 
 from kvfabric.backend import BackendConfig
 from kvfabric.errors import TransportError, TransportTimeoutError
-from kvfabric.index import NodeInfo
 from kvfabric.node import DataNode
 from kvfabric.testing import RegionServer, StoreConformance, TransportConformance
 from kvfabric.transport import NodeEndpoint, Segment, TransportClient, TransportConfig
@@ -49,39 +46,6 @@ class TestEmbeddedStoreOverTcp(StoreConformance):
 
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-class _TokenRegionServer:
-    """A tcp region server process started with ``--token`` (RegionServer takes none)."""
-
-    def __init__(self, token: str) -> None:
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvfabric.testing.region_server",
-                "--transport",
-                "tcp",
-                "--token",
-                token,
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-        )
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        assert line, "region server exited before describing itself"
-        info = NodeInfo.from_bytes(bytes.fromhex(line.decode().strip()))
-        self.endpoint = attrs.evolve(info.endpoints[0], node=1)
-
-    def close(self) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.close()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
 
 
 def _client(endpoint: NodeEndpoint, *, timeout: float = 2.0, token: bytes = b"") -> TransportClient:
@@ -157,7 +121,7 @@ def _local_endpoint(node: DataNode) -> NodeEndpoint:
 
 
 def test_wrong_or_missing_token_is_refused_and_the_right_one_is_served() -> None:
-    server = _TokenRegionServer("secret")
+    server = RegionServer("tcp", token="secret")
     try:
         for token in (b"wrong", b""):
             client = _client(server.endpoint, token=token)
@@ -477,3 +441,13 @@ def test_close_returns_promptly_with_idle_clients_connected() -> None:
     finally:
         idle.close()
         client.close()
+
+
+def test_the_advertised_host_is_what_clients_are_told() -> None:
+    server = TcpTransport.create_server(TransportConfig(host="127.0.0.1", advertise="localhost"))
+    try:
+        host, _, port = server.address.decode().rpartition(":")
+        assert host == "localhost"
+        assert int(port) > 0
+    finally:
+        server.close()

@@ -119,32 +119,28 @@ class _ShmClient(TransportClient):
         return regions
 
     def read(self, node: int, segments: Sequence[Segment]) -> list[TransportError | None]:
-        regions = self._regions(node)
-        errors: list[TransportError | None] = []
-        for seg in segments:
-            mapped = regions.get(seg.region)
-            error = (
-                TransportError(f"node {node} has no region {seg.region}")
-                if mapped is None
-                else check_segment_bounds(seg, mapped.handle)
-            )
-            if error is None and mapped is not None:
-                copy_into(seg.buffer, mapped.view[seg.offset : seg.offset + seg.buffer.nbytes])
-            errors.append(error)
-        return errors
+        return self._copy(node, segments, into_region=False)
 
     def write(self, node: int, segments: Sequence[Segment]) -> list[TransportError | None]:
+        return self._copy(node, segments, into_region=True)
+
+    def _copy(
+        self, node: int, segments: Sequence[Segment], *, into_region: bool
+    ) -> list[TransportError | None]:
         regions = self._regions(node)
         errors: list[TransportError | None] = []
         for seg in segments:
             mapped = regions.get(seg.region)
-            error = (
-                TransportError(f"node {node} has no region {seg.region}")
-                if mapped is None
-                else check_segment_bounds(seg, mapped.handle)
-            )
-            if error is None and mapped is not None:
-                copy_into(mapped.view[seg.offset : seg.offset + seg.buffer.nbytes], seg.buffer)
+            if mapped is None:
+                errors.append(TransportError(f"node {node} has no region {seg.region}"))
+                continue
+            error = check_segment_bounds(seg, mapped.handle)
+            if error is None:
+                remote = mapped.view[seg.offset : seg.offset + seg.buffer.nbytes]
+                if into_region:
+                    copy_into(remote, seg.buffer)
+                else:
+                    copy_into(seg.buffer, remote)
             errors.append(error)
         return errors
 

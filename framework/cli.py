@@ -69,6 +69,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     from kvfabric.control_client import ControlClient
     from kvfabric.remote_index import fetch_stats
     from kvfabric.security import Credentials, load_secret
+    from kvfabric.stats_format import FORMATS
     from kvfabric.units import parse_duration
 
     secret = load_secret(args.secret_file)
@@ -84,48 +85,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         scopes = fetch_stats(client)
     finally:
         client.close()
-    print(format_stats(scopes))
+    print(FORMATS[args.format](scopes))
     return 0
-
-
-_SUMMARY = (
-    ("capacity", "capacity_bytes"),
-    ("used", "used_bytes"),
-    ("entries", "entries"),
-    ("hits", "prefix_hits"),
-    ("lookup keys", "lookup_keys"),
-    ("dedup", "dedup_hits"),
-    ("evictions", "evictions"),
-    ("rpcs", "rpcs"),
-)
-
-
-def format_stats(scopes: dict[str, dict[str, int]]) -> str:
-    """A summary table, then every counter of every scope."""
-    from kvfabric.units import format_size
-
-    index, controller = scopes.get("index", {}), scopes.get("controller", {})
-    merged = {**index, **controller}
-    lines = [
-        "kvfabric: "
-        + ", ".join(
-            f"{label} {format_size(merged[key]) if key.endswith('_bytes') else merged[key]}"
-            for label, key in _SUMMARY
-            if key in merged
-        )
-    ]
-    hits, asked = index.get("prefix_hits", 0), index.get("lookup_keys", 0)
-    if asked:
-        lines[0] += f", hit rate {hits / asked:.0%}"
-    rows = [("scope", "counter", "value")]
-    for scope, counters in scopes.items():
-        for name, value in counters.items():
-            shown = format_size(value) if name.endswith("_bytes") else str(value)
-            rows.append((scope, name, shown))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    for row in rows:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-    return "\n".join(lines)
 
 
 def _print_table(rows: Sequence[Sequence[str]]) -> None:
@@ -166,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--controller", default="tcp://127.0.0.1:7100")
     stats.add_argument("--secret-file", default=None)
     stats.add_argument("--timeout", default="2s")
+    stats.add_argument(
+        "--format",
+        choices=("table", "prometheus", "json"),
+        default="table",
+        help="a table, Prometheus text exposition, or JSON",
+    )
     stats.set_defaults(func=_cmd_stats)
     return parser
 

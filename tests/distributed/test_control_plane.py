@@ -190,3 +190,21 @@ def test_header_constants_match_the_documented_layout() -> None:
     frame = encode(MsgType.NODES, 42, b"", epoch=9)
     assert frame[:4] == MAGIC
     assert struct.unpack_from("<HHQQ", frame, 4) == (PROTOCOL_VERSION, MsgType.NODES, 42, 9)
+
+
+def test_stats_are_available_as_prometheus_text_and_json(cluster: Cluster) -> None:
+    import json
+
+    with kvfabric.connect(cluster.url()) as store:
+        keys = _keys(3)
+        store.batched_put(keys, [b"y" * 10] * 3)
+        store.batched_put(keys, [b"y" * 10] * 3)  # three dedup hits
+    base = [sys.executable, "-m", "kvfabric.cli", "stats", "--controller", cluster.endpoint]
+    prom = subprocess.run([*base, "--format", "prometheus"], capture_output=True, text=True)
+    assert prom.returncode == 0, prom.stderr
+    metrics = dict(line.rsplit(" ", 1) for line in prom.stdout.splitlines())
+    assert int(metrics["kvfabric_index_dedup_hits"]) >= 3
+    assert 'kvfabric_node_capacity_bytes{node="1",name="node0"}' in metrics
+    as_json = subprocess.run([*base, "--format", "json"], capture_output=True, text=True)
+    scopes = json.loads(as_json.stdout)
+    assert scopes["index"]["dedup_hits"] == int(metrics["kvfabric_index_dedup_hits"])

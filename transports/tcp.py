@@ -129,6 +129,8 @@ _SERVER_COUNTERS = (
     "refused_segments",
     "bad_frames",
     "auth_failures",
+    "stalled_frames",
+    "connections_refused",
 )
 
 
@@ -226,9 +228,20 @@ def _tune(sock: socket.socket) -> None:
 # -- server -------------------------------------------------------------------------------
 
 
+def _option(config: TransportConfig, name: str, default: float) -> float:
+    try:
+        return float(config.options.get(name, default))
+    except ValueError:
+        raise ConfigError(f"tcp option {name} must be a number: {config.options}") from None
+
+
 class _TcpServer(TransportServer):
     def __init__(self, config: TransportConfig) -> None:
         self._token = config.token
+        # Bounds on what one peer can hold: a thread per connection, so a cap on them; and a
+        # frame once started must keep arriving, so a half-sent one cannot pin a thread.
+        self._max_connections = int(_option(config, "max_connections", 1024))
+        self._frame_timeout = _option(config, "frame_timeout", 30.0)
         self._regions: dict[int, tuple[RegionHandle, memoryview]] = {}
         self._counters = Counters(_SERVER_COUNTERS)
         self._lock = threading.Lock()
@@ -307,6 +320,10 @@ class _TcpServer(TransportServer):
                 if self._closed:
                     conn.close()
                     return
+                if len(self._connections) >= self._max_connections:
+                    self._counters.add("connections_refused")  # before the peer sees EOF
+                    conn.close()
+                    continue
                 self._connections.add(conn)
                 self._threads.add(thread)
             self._counters.add("connections")
@@ -318,6 +335,8 @@ class _TcpServer(TransportServer):
             self._serve_frames(conn)
         except _Truncated:
             self._counters.add("bad_frames")
+        except TimeoutError:
+            self._counters.add("stalled_frames")
         except OSError:
             pass  # the peer went away, or close() shut the socket down
         except Exception:
@@ -332,7 +351,11 @@ class _TcpServer(TransportServer):
         authenticated = not self._token
         header = bytearray(_HEADER.size)
         scratch: memoryview | None = None
-        while _recv_exact(conn, header, eof_ok=True):
+        while True:
+            conn.settimeout(None)  # an idle pooled connection may wait for its next frame
+            if not _recv_exact(conn, header, eof_ok=True):
+                return
+            conn.settimeout(self._frame_timeout)  # the rest of the frame must keep coming
             magic, version, op, code, count, rid = _HEADER.unpack(header)
             if magic != _MAGIC or version != _VERSION or code or op not in _OPS:
                 self._refuse(conn, 0, rid, _Code.BAD_FRAME, "bad_frames")

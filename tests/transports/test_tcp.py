@@ -451,3 +451,44 @@ def test_the_advertised_host_is_what_clients_are_told() -> None:
         assert int(port) > 0
     finally:
         server.close()
+
+
+def _limited_server(**options: str) -> tuple[Any, NodeEndpoint, DataNode]:
+    node = DataNode.create(
+        backend="dram",
+        transports=["tcp"],
+        backend_config=BackendConfig(capacity=1 << 20),
+        transport_config=TransportConfig(options=options),
+    )
+    return node.servers["tcp"], _local_endpoint(node), node
+
+
+def test_a_half_sent_frame_is_dropped_after_the_frame_timeout() -> None:
+    server, endpoint, node = _limited_server(frame_timeout="0.3")
+    try:
+        with socket.create_connection(_address(endpoint)) as sock:
+            sock.sendall(_HEADER.pack(b"KVFT", 1, 1, 0, 1, 0))  # a READ header, no entry
+            sock.settimeout(5)
+            assert sock.recv(1) == b""  # the node hung up on the stalled frame
+        assert server.stats()["stalled_frames"] == 1
+        assert _round_trip_works(endpoint)
+    finally:
+        node.close()
+
+
+def test_connections_beyond_the_cap_are_refused_and_the_rest_served() -> None:
+    server, endpoint, node = _limited_server(max_connections="2")
+    held = [socket.create_connection(_address(endpoint)) for _ in range(2)]
+    try:
+        time.sleep(0.2)
+        with socket.create_connection(_address(endpoint)) as extra:
+            extra.settimeout(5)
+            assert extra.recv(1) == b""
+        assert server.stats()["connections_refused"] == 1
+        held.pop().close()
+        time.sleep(0.2)
+        assert _round_trip_works(endpoint)
+    finally:
+        for sock in held:
+            sock.close()
+        node.close()

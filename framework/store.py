@@ -246,6 +246,24 @@ class Store:
         )
         return outcomes
 
+    def prefetched(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
+        """The descriptors the last lookups left for ``keys`` (no round trip).
+
+        For engines whose lookup and load run in different processes (vLLM's scheduler and
+        workers): ship these with the load request and hand them to :meth:`remember` there,
+        and the load needs no round trip either.
+        """
+        _check_keys(keys)
+        return self._prefetch.take(keys)
+
+    def remember(self, descriptors: Sequence[Descriptor]) -> None:
+        """Keep descriptors another client resolved, for the reads that follow.
+
+        Only a shortcut, like every prefetched descriptor: reads still validate each
+        record, and one that no longer matches is resolved again.
+        """
+        self._prefetch.remember(descriptors)
+
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove keys at once (new lookups miss); returns how many were stored."""
         _check_keys(keys)

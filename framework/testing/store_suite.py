@@ -182,6 +182,21 @@ class StoreConformance:
         assert reader.stats()["control_rpcs"] - before == 1
         assert _as_bytes(got) == values
 
+    def test_descriptors_handed_to_another_client_make_its_read_free(
+        self, make_store: MakeStore
+    ) -> None:
+        looker, loader = make_store(), make_store()
+        keys = _keys(16)
+        values = _values(keys, self.value_size)
+        looker.batched_put(keys, values)
+        assert looker.batched_contains(keys) == 16
+        handed = [d for d in looker.prefetched(keys) if d is not None]
+        assert len(handed) == 16
+        loader.remember(handed)
+        before = loader.stats()["control_rpcs"]
+        assert _as_bytes(loader.batched_get(keys)) == values
+        assert loader.stats()["control_rpcs"] == before
+
     # -- prefixes, gaps, deletes -------------------------------------------------------
 
     @pytest.mark.parametrize("k", [0, 1, 7, 15])

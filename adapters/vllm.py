@@ -564,26 +564,37 @@ class KVFabricConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
             ]
         )
         rpcs_before = self._store.stats()["control_rpcs"]
-        # A block's value is its page of every layer, and those pages are not adjacent in
-        # vLLM's cache, so values land in a staging buffer (one copy, by the transport) and
-        # are scattered page by page (a second copy, at memcpy speed).
-        landing = self._landing_buffer(pages, len(keys))
-        try:
-            values = self._store.batched_get(keys, into=[row.numpy() for row in landing])
-        except Exception as exc:
-            log.warning("KVFabricConnector: read failed (%s): recomputing", exc)
-            values = [None] * len(keys)
-        landed = time.perf_counter_ns()
+        host_pages = [pages.host_pages_of(block_id) for block_id in block_ids]
+        if all(p is not None for p in host_pages):
+            # Host pages: each value lands straight in its block's page of every layer (one
+            # copy, by the transport; the checksum runs over the pages). A block that fails
+            # holds garbage, and is reported below so vLLM recomputes it over that garbage.
+            try:
+                flags = self._store.batched_get_scattered(keys, host_pages)  # type: ignore[arg-type]
+            except Exception as exc:
+                log.warning("KVFabricConnector: read failed (%s): recomputing", exc)
+                flags = [False] * len(keys)
+            landed = time.perf_counter_ns()
+            good = [i for i, ok in enumerate(flags) if ok]
+        else:
+            # Device pages: values land in a pinned staging buffer, then copy to the device.
+            landing = self._landing_buffer(pages, len(keys))
+            try:
+                values = self._store.batched_get(keys, into=[row.numpy() for row in landing])
+            except Exception as exc:
+                log.warning("KVFabricConnector: read failed (%s): recomputing", exc)
+                values = [None] * len(keys)
+            landed = time.perf_counter_ns()
+            size = pages.value_bytes
+            good = [i for i, v in enumerate(values) if v is not None and v.nbytes == size]
+            pages.scatter(landing, [(i, block_ids[i]) for i in good])
         self._count(load_control_rpcs=self._store.stats()["control_rpcs"] - rpcs_before)
-        size = pages.value_bytes
-        good = [i for i, v in enumerate(values) if v is not None and v.nbytes == size]
-        pages.scatter(landing, [(i, block_ids[i]) for i in good])
         if len(good) < len(keys):
             bad = sorted(set(range(len(keys))) - set(good))
             self._fail_loads(keys, block_ids, owners, bad, drop=True)
         self._count(
             loaded_blocks=len(good),
-            loaded_bytes=len(good) * size,
+            loaded_bytes=len(good) * pages.value_bytes,
             load_get_ns=landed - started,
             load_scatter_ns=time.perf_counter_ns() - landed,
         )

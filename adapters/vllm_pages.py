@@ -3,9 +3,11 @@
 vLLM gives each attention layer its own cache tensor with blocks on dim 0 (on CPU
 ``[num_blocks, kv_heads, block_size, 2 * head_size]``, all layers in one allocation, layer
 after layer). A block's pages are therefore spread over the layers, and kvfabric stores one
-contiguous value per block: each layer's page of that block, in layer order. ``scatter``
-copies landed values into the pages and ``gather`` copies pages out into values; a page is
-copied whole, never interpreted (on CPU its inside is packed by the attention kernel).
+contiguous value per block: each layer's page of that block, in layer order. In host
+memory a value lands straight in the pages (``host_pages_of``: kvfabric's scattered read);
+``scatter`` copies landed values into device pages and ``gather`` copies pages out into
+values. A page is moved whole, never interpreted (on CPU its inside is packed by the
+attention kernel).
 """
 
 from __future__ import annotations
@@ -69,6 +71,16 @@ class PagedKV:
     def describe(self) -> str:
         """Each layer's name, dtype and page shape: what a value's bytes mean."""
         return ";".join(layer.description for layer in self._layers)
+
+    def host_pages_of(self, block_id: int) -> list[np.ndarray] | None:
+        """Block ``block_id``'s page of every layer, in layer order, as writable host arrays.
+
+        A value can land straight in these (kvfabric's scattered read); None when the cache
+        is in device memory.
+        """
+        if any(layer.host_pages is None for layer in self._layers):
+            return None
+        return [layer.host_pages[block_id] for layer in self._layers]  # type: ignore[index]
 
     def new_values(self, rows: int) -> torch.Tensor:
         """An uninitialised host buffer for ``rows`` block values ([rows, value_bytes])."""

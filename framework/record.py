@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Sequence
 
 import crc32c as _crc32c
 
@@ -23,6 +24,7 @@ __all__ = [
     "Failure",
     "RecordHeader",
     "checksum",
+    "checksum_pieces",
     "pack_header",
     "parse_header",
     "record_size",
@@ -39,9 +41,20 @@ _HEADER_CRC_SPAN = HEADER_SIZE - 4
 assert HEADER_SIZE == 64
 
 
-def checksum(data: bytes | bytearray | memoryview) -> int:
-    """CRC32C in hardware; the library drops the GIL for large buffers."""
-    return int(_crc32c.crc32c(data))
+def checksum(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """CRC32C in hardware; the library drops the GIL for large buffers.
+
+    ``value`` continues a checksum: ``checksum(b, checksum(a)) == checksum(a + b)``.
+    """
+    return int(_crc32c.crc32c(data, value))
+
+
+def checksum_pieces(pieces: Sequence[bytes | bytearray | memoryview]) -> int:
+    """CRC32C of the concatenation of ``pieces``, without concatenating them."""
+    value = 0
+    for piece in pieces:
+        value = checksum(piece, value)
+    return value
 
 
 def record_size(length: int) -> int:
@@ -93,21 +106,23 @@ def parse_header(data: bytes | bytearray | memoryview) -> RecordHeader:
 
 def validate_record(
     header: bytes | bytearray | memoryview,
-    payload: bytes | bytearray | memoryview,
+    payload: bytes | bytearray | memoryview | Sequence[memoryview],
     descriptor: Descriptor,
     key: bytes,
 ) -> None:
     """Check a landed record against its descriptor and the key asked for.
 
-    ``payload`` is exactly the landed payload (``descriptor.length`` bytes). Raises
-    :class:`ValidationError` naming the first check that failed; returns nothing on success.
+    ``payload`` is exactly the landed payload (``descriptor.length`` bytes), or the pieces
+    it landed in, in order. Raises :class:`ValidationError` naming the first check that
+    failed; returns nothing on success.
     """
+    pieces = payload if isinstance(payload, list | tuple) else (payload,)
     parsed = parse_header(header)
     if parsed.key != key or descriptor.key != key:
         raise ValidationError(Failure.KEY.value)
     if parsed.version != descriptor.version:
         raise ValidationError(Failure.VERSION.value)
-    if parsed.length != descriptor.length or len(payload) != descriptor.length:
+    if parsed.length != descriptor.length or sum(len(p) for p in pieces) != descriptor.length:
         raise ValidationError(Failure.LENGTH.value)
-    if parsed.crc != descriptor.crc or checksum(payload) != parsed.crc:
+    if parsed.crc != descriptor.crc or checksum_pieces(pieces) != parsed.crc:
         raise ValidationError(Failure.CRC.value)

@@ -70,7 +70,7 @@ _OUTCOME_OF = {
 class _Read:
     """One record being read: where it lands and whether it made it."""
 
-    __slots__ = ("descriptor", "header", "index", "key", "payload", "refused", "result")
+    __slots__ = ("descriptor", "header", "index", "key", "pieces", "refused", "result")
 
     def __init__(
         self,
@@ -78,13 +78,14 @@ class _Read:
         key: bytes,
         descriptor: Descriptor,
         header: memoryview,
-        payload: memoryview,
+        pieces: list[memoryview],
     ) -> None:
         self.index = index
         self.key = key
         self.descriptor = descriptor
         self.header = header
-        self.payload = payload
+        self.pieces = pieces
+        """Where the payload lands, in order (usually one buffer)."""
         self.refused = False
         """The node refused the read (bad rkey, out of bounds): a miss, not an invalid record."""
         self.result: memoryview | None = None
@@ -157,7 +158,9 @@ class Store:
 
         ``into``: one writable buffer per key, filled in place (zero copies); the result is
         then a view of the buffer's first ``length`` bytes. A buffer too small is a miss.
-        Without ``into`` the values are views into one new buffer per call.
+        Without ``into`` the values are views into one new buffer per call. (An ``into``
+        entry may also be a list of buffers filled in order; see
+        :meth:`batched_get_scattered`.)
         """
         _check_keys(keys)
         if into is not None and len(into) != len(keys):
@@ -188,6 +191,20 @@ class Store:
         hits = sum(r is not None for r in results)
         self._counters.update(get_hits=hits, get_misses=len(keys) - hits)
         return results
+
+    def batched_get_scattered(
+        self, keys: Sequence[bytes], into: Sequence[Sequence[Any]]
+    ) -> list[bool]:
+        """Read each key's value straight into several buffers, filled in order.
+
+        For a value whose natural home is not contiguous (an engine's per-layer pages of one
+        block): no staging copy, the transport lands each piece where it belongs and the
+        checksum runs over the pieces. True where the value landed and validated; on False
+        the buffers may hold garbage (treat as a miss).
+        """
+        if len(into) != len(keys):
+            raise ValueError(f"into has {len(into)} buffer lists for {len(keys)} keys")
+        return [r is not None for r in self.batched_get(keys, into=[list(b) for b in into])]
 
     def batched_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[PutOutcome]:
         """Store values under keys: one allocate call, the writes, one publish call.
@@ -361,22 +378,19 @@ class Store:
             if d is None:
                 continue
             if arena is not None:
-                payload = arena[arena_used : arena_used + d.length]
+                pieces = [arena[arena_used : arena_used + d.length]]
                 arena_used += d.length
             else:
                 assert into is not None
-                dest = writable_view(into[i])
-                if dest.nbytes < d.length:
+                landing = _landing_pieces(into[i], d.length)
+                if landing is None:
                     log.warning(
-                        "kvfabric: buffer %d holds %d bytes, value has %d: miss",
-                        i,
-                        dest.nbytes,
-                        d.length,
+                        "kvfabric: buffers for key %d hold less than %d bytes: miss", i, d.length
                     )
                     continue
-                payload = dest[: d.length]
+                pieces = landing
             header = headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
-            per_node.setdefault(d.node, []).append(_Read(i, keys[i], d, header, payload))
+            per_node.setdefault(d.node, []).append(_Read(i, keys[i], d, header, pieces))
         if not per_node:
             return results, invalid
         self._ensure_routes(set(per_node))
@@ -430,14 +444,21 @@ class Store:
     @staticmethod
     def _land(client: TransportClient, node: int, items: list[_Read]) -> None:
         segments: list[Segment] = []
+        spans: list[int] = []
         for item in items:
             d = item.descriptor
             segments.append(Segment(d.region, d.rkey, d.offset, item.header))
-            segments.append(Segment(d.region, d.rkey, d.offset + HEADER_SIZE, item.payload))
+            offset = d.offset + HEADER_SIZE
+            for piece in item.pieces:
+                segments.append(Segment(d.region, d.rkey, offset, piece))
+                offset += piece.nbytes
+            spans.append(1 + len(item.pieces))
         errors = client.read(node, segments)
-        for n, item in enumerate(items):
-            if errors[2 * n] is not None or errors[2 * n + 1] is not None:
+        start = 0
+        for item, span in zip(items, spans, strict=True):
+            if any(error is not None for error in errors[start : start + span]):
                 item.refused = True
+            start += span
 
     @staticmethod
     def _validate(items: list[_Read]) -> int:
@@ -447,11 +468,11 @@ class Store:
                 continue
             landed += item.descriptor.length
             try:
-                validate_record(item.header, item.payload, item.descriptor, item.key)
+                validate_record(item.header, item.pieces, item.descriptor, item.key)
             except ValidationError as exc:
                 log.info("kvfabric: record for key %s invalid (%s): miss", item.key.hex(), exc)
                 continue
-            item.result = item.payload
+            item.result = item.pieces[0]
         return landed
 
     def _validator(self) -> ThreadPoolExecutor:
@@ -521,6 +542,28 @@ class Store:
         if self._observer_pool is None:
             self._observer_pool = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-observe")
         self._observer_pool.submit(hook, keys=list(keys), hits=hits)
+
+
+def _landing_pieces(target: Any, length: int) -> list[memoryview] | None:
+    """The views a value of ``length`` bytes lands in: one buffer, or several in order.
+
+    None when they hold less than ``length`` bytes.
+    """
+    buffers = target if isinstance(target, list | tuple) else (target,)
+    pieces: list[memoryview] = []
+    need = length
+    for buffer in buffers:
+        if need == 0:
+            break
+        view = writable_view(buffer)
+        take = min(view.nbytes, need)
+        pieces.append(view[:take])
+        need -= take
+    if need or not buffers:
+        return None
+    if not pieces:  # an empty value still lands "somewhere", for a uniform read path
+        pieces.append(writable_view(buffers[0])[:0])
+    return pieces
 
 
 def _split_by_bytes(items: list[_Read], group_bytes: int) -> list[list[_Read]]:

@@ -106,6 +106,26 @@ class StoreConformance:
             assert view is not None
             assert bytes(view) == value
 
+    def test_scattered_get_lands_a_value_across_several_buffers(self, store: Store) -> None:
+        keys = _keys(3)
+        values = _values(keys, 3 * 4096)
+        store.batched_put(keys, values)
+        pages = [[np.zeros(4096, dtype=np.uint8) for _ in range(3)] for _ in keys]
+        before = store.stats()["payload_bytes_read"]
+        assert store.batched_get_scattered(keys, pages) == [True, True, True]
+        for value, parts in zip(values, pages, strict=True):
+            assert b"".join(p.tobytes() for p in parts) == value
+        assert store.stats()["payload_bytes_read"] - before == 3 * 3 * 4096
+
+    def test_scattered_get_into_too_little_room_or_corrupt_data_is_false(
+        self, store: Store, corrupt: Callable[[Store, bytes], Any]
+    ) -> None:
+        keys = _keys(2)
+        store.batched_put(keys, _values(keys, 8192))
+        corrupt(store, keys[1], 6000)  # lands in the second piece
+        small = [[bytearray(4096)], [bytearray(4096), bytearray(4096)]]
+        assert store.batched_get_scattered(keys, small) == [False, False]
+
     def test_get_into_a_partly_used_larger_buffer_returns_the_value_length(
         self, store: Store
     ) -> None:

@@ -6,8 +6,11 @@ Against real kvfabric processes (``kvfabric.testing.Cluster``), over ``shm`` and
 for a KV cache shaped like vLLM's on CPU (per layer ``[num_blocks, kv_heads, block_size,
 2 * head_size]``, all layers in one allocation):
 
-- ``staged``: what the connector does. One value per block (its page of every layer);
-  ``batched_get(into=staging rows)``, then ``PagedKV.scatter`` copies each page into place.
+- ``staged``: one value per block (its page of every layer); ``batched_get(into=staging
+  rows)``, then ``PagedKV.scatter`` copies each page into place (the connector's path for
+  device pages).
+- ``scattered``: the same values landed straight in the pages with
+  ``batched_get_scattered`` (the connector's path for host pages): one copy.
 - ``per-layer``: the zero-copy alternative. One value per (block, layer), read with
   ``batched_get(into=the pages themselves)``: no second copy, but ``layers`` times the keys.
 - ``memcpy``: one plain copy of the same bytes, the floor.
@@ -85,6 +88,12 @@ def bench(
             staged_get()
             pages.scatter(landing, rows)
 
+        def scattered() -> None:
+            targets = pages_of = [pages.host_pages_of(b) for b in block_ids]
+            assert all(t is not None for t in targets)
+            flags = store.batched_get_scattered(block_keys, pages_of)  # type: ignore[arg-type]
+            assert all(flags)
+
         def per_layer() -> None:
             into = [layer_views[layer][b].numpy() for b in block_ids for layer in range(layers)]
             values = store.batched_get(layer_keys, into=into)
@@ -94,6 +103,7 @@ def bench(
         result = {
             "staged get": median_seconds(staged_get, repeat),
             "staged get+scatter": median_seconds(staged, repeat),
+            "scattered get (what the connector does on host)": median_seconds(scattered, repeat),
             "per-layer (zero-copy)": median_seconds(per_layer, repeat),
             "memcpy": median_seconds(
                 lambda: memcpy_target.numpy().__setitem__(..., source), repeat
@@ -119,7 +129,7 @@ def main() -> None:
                 print(f"\n{name}, {args.blocks} blocks, {size / 2**20:.0f} MiB, over {transport}")
                 for what, seconds in result.items():
                     print(
-                        f"  {what:24s} {seconds * 1e3:8.2f} ms {size / seconds / 1e9:6.2f} GB/s"
+                        f"  {what:48s} {seconds * 1e3:8.2f} ms {size / seconds / 1e9:6.2f} GB/s"
                         f"  {seconds / base:5.2f}x of staged"
                     )
 

@@ -5,8 +5,9 @@ For chunks of 256 KiB and of 4 MiB (64 per batch) it times, as medians of severa
 - floors: a memcpy of the same bytes (numpy, distinct sources), a raw Python socket
   streaming the same bytes from another process into a preallocated buffer, and a raw small
   round trip (2 KiB request, 64-byte reply) to that process;
-- kvfabric over ``tcp`` and over ``shm`` against a real controller and data node: put,
-  contains, get (descriptors prefetched by the contains), naive per-key exists+get, re-put;
+- kvfabric over ``tcp`` and over ``shm`` (and over ``ucx``, as ``UCX_TLS`` says, where its
+  library is installed) against a real controller and data node: put, contains, get
+  (descriptors prefetched by the contains), naive per-key exists+get, re-put;
 - Redis (a ``redis-server`` started here, persistence off, redis-py with hiredis,
   pipelined): SET, EXISTS, GET, per-key EXISTS+GET, SET again.
 
@@ -16,6 +17,7 @@ Nothing here is asserted: timings belong in a table, not in a test.
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import statistics
@@ -33,7 +35,9 @@ import attrs
 import numpy as np
 
 import kvfabric
+from kvfabric.errors import PluginError
 from kvfabric.keys import chain_keys
+from kvfabric.plugins import plugin_manager
 from kvfabric.testing.cluster import Cluster, free_port
 from kvfabric.units import format_size
 
@@ -346,6 +350,15 @@ def _redis(client: Any, count: int, size: int, repeat: int) -> list[BenchRow]:
     return rows
 
 
+def _bench_transports() -> tuple[str, ...]:
+    """tcp and shm, plus ucx where its library loads (its rows follow UCX_TLS)."""
+    try:
+        plugin_manager().transport("ucx")
+    except PluginError:
+        return ("tcp", "shm")
+    return ("tcp", "shm", "ucx")
+
+
 def run_bench(
     sizes: tuple[int, ...] = (256 * 1024, 4 << 20),
     count: int = 64,
@@ -355,15 +368,16 @@ def run_bench(
 ) -> list[BenchRow]:
     rows: list[BenchRow] = []
     capacity = 4 * count * max(sizes) + (64 << 20)
+    transports = _bench_transports()
     with Cluster(
         nodes=1,
-        transports=("tcp", "shm"),
+        transports=transports,
         capacity=f"{capacity}",
         controller_args=["--grace", "0s"],
     ) as cluster:
         for size in sizes:
             rows += _floors(count, size, repeat)
-            for transport in ("tcp", "shm"):
+            for transport in transports:
                 rows += _kvfabric(cluster, transport, count, size, repeat)
     if redis:
         with _redis_server() as client:
@@ -378,6 +392,10 @@ def run_bench(
             out,
         )
     return rows
+
+
+def _ucx_tls() -> str:
+    return os.environ.get("UCX_TLS", "default")
 
 
 def _find(rows: list[BenchRow], system: str, phase: str, size: int) -> BenchRow | None:
@@ -400,6 +418,7 @@ def _print_table(rows: list[BenchRow], size: int, count: int, repeat: int, out: 
     rtt = _find(rows, "raw socket", "small RTT", size)
     zrtt = _find(rows, "zeromq", "small RTT", size)
     redis_get = _find(rows, "redis", "get", size)
+    tcp_get = _find(rows, "kvfabric tcp", "get", size)
     for row in rows:
         if row.phase == "small RTT" and row is not rtt and row is not zrtt:
             continue
@@ -408,6 +427,11 @@ def _print_table(rows: list[BenchRow], size: int, count: int, repeat: int, out: 
             vs = f"{stream.seconds / row.seconds:.2f}x raw socket"
             if redis_get:
                 vs += f", {redis_get.seconds / row.seconds:.1f}x redis"
+        elif row.phase == "get" and row.system == "kvfabric ucx" and memcpy and tcp_get:
+            vs = (
+                f"{memcpy.seconds / row.seconds:.2f}x memcpy, "
+                f"{tcp_get.seconds / row.seconds:.2f}x kvfabric tcp (UCX_TLS={_ucx_tls()})"
+            )
         elif row.phase == "get" and row.system == "kvfabric shm" and memcpy:
             vs = f"{memcpy.seconds / row.seconds:.2f}x memcpy (incl. validation)"
             if redis_get:
@@ -453,7 +477,18 @@ def _print_targets(rows: list[BenchRow], size: int, out: Any) -> None:
         ("tcp get / redis get", speedup(tcp_get, _find(rows, "redis", "get", size)), 2.0, True),
         ("shm get / memcpy", speedup(shm_get, _find(rows, "memcpy", "copy", size)), 0.6, True),
     ]
-    for transport in ("tcp", "shm"):
+    ucx_get = _find(rows, "kvfabric ucx", "get", size)
+    if ucx_get is not None:
+        # One-sided over CMA (sm) the floor is memcpy; emulated over tcp it is our tcp.
+        tls = _ucx_tls()
+        if tls == "tcp":
+            checks.append(("ucx(tcp) get / tcp get", speedup(ucx_get, tcp_get), 1.0, True))
+        else:
+            memcpy = _find(rows, "memcpy", "copy", size)
+            checks.append((f"ucx({tls}) get / memcpy", speedup(ucx_get, memcpy), 0.6, True))
+    for transport in ("tcp", "shm", "ucx"):
+        if _find(rows, f"kvfabric {transport}", "get", size) is None:
+            continue
         contains = _find(rows, f"kvfabric {transport}", "contains", size)
         checks.append((f"{transport} contains / raw RTT", speedup(rtt, contains), 2.0, False))
         put = _find(rows, f"kvfabric {transport}", "put", size)

@@ -23,8 +23,13 @@ __all__ = ["PREFERENCE", "open_remote"]
 
 log = logging.getLogger("kvfabric")
 
-PREFERENCE = ("shm", "ucx", "verbs", "tcp")
-"""Built-in transports, best first; other installed ones are used only when forced."""
+PREFERENCE = ("shm", "verbs", "tcp", "ucx")
+"""Built-in transports, best first; other installed ones are used only when forced.
+
+``ucx`` comes after ``tcp``: from here kvfabric cannot tell whether UCX would reach a node
+over RDMA or emulate RMA over TCP, and emulated UCX is slower than kvfabric's own ``tcp`` and
+exposed to a UCX bug that can abort the node when a client dies (see docs/ucx.md). On an RDMA
+fabric, ask for it: ``?transport=ucx``."""
 
 
 def open_remote(options: RemoteOptions, host: str, port: int, plugins: PluginManager) -> Store:

@@ -64,10 +64,18 @@ def _node_from(args: argparse.Namespace, credentials: Credentials | None) -> Dat
 
 
 def _describe(node: DataNode) -> str:
-    return ", ".join(
-        f"{name}@{server.address.decode(errors='replace')}" if name != "shm" else name
-        for name, server in node.servers.items()
-    )
+    """Transports and their addresses, for the ready line (binary addresses summarised)."""
+    parts = []
+    for name, server in node.servers.items():
+        address = server.address
+        text = address.decode("ascii", errors="replace")
+        if name == "shm":
+            parts.append(name)
+        elif text.isprintable() and "\ufffd" not in text:
+            parts.append(f"{name}@{text}")
+        else:
+            parts.append(f"{name} ({len(address)}-byte address)")
+    return ", ".join(parts)
 
 
 def _stop_on_signals(stop: Callable[[], None]) -> None:

@@ -68,7 +68,7 @@ class StoreConformance:
         return make_store()
 
     @pytest.fixture
-    def corrupt(self) -> Callable[[Store, bytes], Any]:
+    def corrupt(self) -> Callable[..., Any]:
         """Flip a stored payload byte; override for deployments whose nodes are elsewhere."""
         return corrupt_payload
 
@@ -118,7 +118,7 @@ class StoreConformance:
         assert store.stats()["payload_bytes_read"] - before == 3 * 3 * 4096
 
     def test_scattered_get_into_too_little_room_or_corrupt_data_is_false(
-        self, store: Store, corrupt: Callable[[Store, bytes], Any]
+        self, store: Store, corrupt: Callable[..., Any]
     ) -> None:
         keys = _keys(2)
         store.batched_put(keys, _values(keys, 8192))
@@ -263,7 +263,7 @@ class StoreConformance:
     # -- never a wrong value -----------------------------------------------------------
 
     def test_corrupted_record_reads_as_miss_and_is_counted(
-        self, store: Store, corrupt: Callable[[Store, bytes], Any]
+        self, store: Store, corrupt: Callable[..., Any]
     ) -> None:
         keys = _keys(4)
         values = _values(keys, self.value_size)

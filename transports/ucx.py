@@ -1,0 +1,614 @@
+"""The ``ucx`` transport: one-sided reads and writes with UCX RMA (``ucp_get_nbx``/``put``).
+
+The data node maps each region with ``ucp_mem_map`` and publishes its base address and
+packed remote key in the region's handle, and its worker address as the node's address.
+A client makes one endpoint per node from that worker address (which is what lets UCX pick
+CMA on one host; RDMA with a verbs-enabled UCX), unpacks the keys once, and moves a batch
+by posting every get or put, then driving progress until all complete or ``timeout``
+passes. Bytes land straight in the caller's buffers.
+
+One-sidedness depends on what UCX picks (``UCX_TLS``): with ``sm`` (CMA) and RDMA the data
+node's CPU does nothing per read or write; with ``tcp`` UCX emulates RMA in software and the
+node's progress thread serves each request. UCX checks no addresses against registered
+memory, so the client checks every segment's rkey and bounds before posting it.
+
+Threads: the client has one worker and one lock; every UCX call is made under the lock,
+waits for completion are not, so batches for several nodes are in flight together and
+whichever caller progresses completes them all. cffi drops the GIL during each call.
+Native code is loaded lazily (``kvfabric.transports._ucp``): this module imports without
+UCX, and selecting the transport without it gives the install hint.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import select
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvfabric import hookimpl
+from kvfabric.backend import MemoryKind, Region
+from kvfabric.buffers import address_of, byte_view
+from kvfabric.counters import Counters
+from kvfabric.errors import PluginUnavailableError, TransportError, TransportTimeoutError
+from kvfabric.plugins import Registry
+from kvfabric.transport import (
+    Capabilities,
+    NodeEndpoint,
+    RegionHandle,
+    Segment,
+    Transport,
+    TransportClient,
+    TransportConfig,
+    TransportServer,
+    check_segment_bounds,
+)
+from kvfabric.transports import _ucp
+
+__all__ = ["UcxTransport"]
+
+log = logging.getLogger(__name__)
+
+_HINT = "pip install 'kvfabric[ucx]'"
+# RegionHandle.info: the region's base address in the node's memory, then the packed rkey.
+_INFO = struct.Struct("<Q")
+
+# PEER error handling (a dead node fails a request instead of aborting the client, and a
+# stuck request can be cancelled by a force close) makes UCX drop CMA unless told these;
+# a variable the user sets in the environment wins.
+_CONTEXT_DEFAULTS = {
+    "CMA_MEMORY_INVALIDATE": "y",
+    "POSIX_ERROR_HANDLING": "y",
+    "SYSV_ERROR_HANDLING": "y",
+    # CMA copies happen inside the client's ucp_worker_progress(), by default one 512 KiB
+    # segment per call. Each call drops the GIL, and taking it back from a busy Python thread
+    # can cost a switch interval (5 ms): a 64 x 4 MiB batch then fell to 0.25 GB/s next to a
+    # counting thread. Copying the whole batch in one call kept 2.1-2.3 GB/s there, and the
+    # same 4.5 GB/s alone.
+    "CMA_SEG_SIZE": "64M",
+    "CMA_TX_QUOTA": "1024",
+    # Over tcp UCX moves RMA data in messages of at most this size, each a progress round on
+    # the node: the default 8 KiB made 4 MiB gets 3-4x slower here. Both ends must agree
+    # (a sender's TX may not exceed its peer's RX), which they do unless a user sets one.
+    "TCP_TX_SEG_SIZE": "1M",
+    "TCP_RX_SEG_SIZE": "1M",
+}
+# The node's progress thread sleeps on the worker's event fd; the cap only bounds the cost of
+# a wakeup UCX might not signal.
+_NODE_IDLE_MS = 100
+# A client spins this many empty progress rounds (a reply is often microseconds away), then
+# sleeps on the event fd for at most this long between deadline checks.
+_CLIENT_SPINS = 20
+_CLIENT_IDLE_MS = 1
+_DRAIN_MAX = 1 << 16
+# After a force close, cancelled requests complete within a progress call or two.
+_CANCEL_ROUNDS = 1000
+
+_SERVER_COUNTERS = ("regions", "progress_wakeups", "progress_events")
+
+
+def _native() -> _ucp.Binding:
+    try:
+        return _ucp.binding()
+    except _ucp.LibraryError as exc:
+        raise PluginUnavailableError(f"ucx: {exc}; install it with: {_HINT}") from exc
+
+
+def _context_config(extra: dict[str, str] | None = None) -> dict[str, str]:
+    wanted = {**_CONTEXT_DEFAULTS, **(extra or {})}
+    return {k: v for k, v in wanted.items() if f"UCX_{k}" not in os.environ}
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _boundary(where: str, exc: _ucp.UcxError) -> TransportError:
+    return TransportError(f"{where}: {exc}")
+
+
+# -- server -------------------------------------------------------------------------------
+
+
+class _UcxServer(TransportServer):
+    """Maps regions and keeps a worker progressing (needed only where UCX emulates RMA)."""
+
+    def __init__(self, config: TransportConfig) -> None:
+        _native()
+        # A node bound to loopback keeps UCX's tcp interfaces on loopback too, as the tcp
+        # transport's listener would be (UCX_NET_DEVICES, if set, wins).
+        extra = {"NET_DEVICES": "lo"} if _is_loopback(config.host) else {}
+        self._counters = Counters(_SERVER_COUNTERS)
+        self._maps: list[_ucp.MemoryMap] = []
+        self._lock = threading.Lock()
+        self._stopping = False
+        try:
+            self._context = _ucp.Context(_context_config(extra), name="kvfabric-node", shared=True)
+            try:
+                self._worker = _ucp.Worker(self._context, _ucp.THREAD_MODE_MULTI)
+                self._address = self._worker.address()
+                self._efd = self._worker.efd()
+            except BaseException:
+                self._context.close()
+                raise
+        except _ucp.UcxError as exc:
+            raise _boundary("ucx: cannot start the node's worker", exc) from exc
+        self._thread = threading.Thread(
+            target=self._progress_loop, name="kvfabric-ucx-progress", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def address(self) -> bytes:
+        return self._address
+
+    def register(self, region: Region) -> RegionHandle:
+        view = byte_view(region.view)
+        base = address_of(view)
+        try:
+            mapped = _ucp.MemoryMap(self._context, base, view.nbytes)
+            packed = mapped.pack()
+        except _ucp.UcxError as exc:
+            raise _boundary(f"ucx: cannot map region {region.id}", exc) from exc
+        with self._lock:
+            self._maps.append(mapped)
+        self._counters.add("regions")
+        return RegionHandle(
+            region=region.id, rkey=region.rkey, size=region.size, info=_INFO.pack(base) + packed
+        )
+
+    def stats(self) -> dict[str, int]:
+        return self._counters.snapshot()
+
+    def _progress_loop(self) -> None:
+        worker = self._worker
+        poller = select.poll()
+        poller.register(self._efd, select.POLLIN)
+        events = 0
+        try:
+            while not self._stopping:
+                for _ in range(_DRAIN_MAX):
+                    done = worker.progress()
+                    if not done:
+                        break
+                    events += done
+                # Arm fails (busy) when events are already pending: progress again at once.
+                if worker.arm():
+                    if events:
+                        self._counters.update(progress_wakeups=1, progress_events=events)
+                        events = 0
+                    poller.poll(_NODE_IDLE_MS)
+        except _ucp.UcxError:
+            log.exception("kvfabric ucx: the node's progress thread failed")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            maps, self._maps = self._maps, []
+        self._worker.signal()
+        self._thread.join(5.0)
+        for mapped in maps:
+            mapped.close()
+        if not self._thread.is_alive():
+            self._worker.close()
+            self._context.close()
+
+
+# -- client -------------------------------------------------------------------------------
+
+
+class _Remote:
+    """One region of a node as the client addresses it."""
+
+    __slots__ = ("base", "handle", "packed", "rkey")
+
+    def __init__(self, handle: RegionHandle) -> None:
+        if len(handle.info) <= _INFO.size:
+            raise TransportError(f"ucx: region {handle.region} has no packed remote key")
+        (self.base,) = _INFO.unpack_from(handle.info)
+        self.packed = handle.info[_INFO.size :]
+        self.handle = handle
+        self.rkey: _ucp.RemoteKey | None = None
+
+
+class _Peer:
+    """A node: its address, its regions, and (while usable) an endpoint and unpacked keys."""
+
+    __slots__ = ("address", "ep", "node", "regions")
+
+    def __init__(self, endpoint: NodeEndpoint) -> None:
+        self.node = endpoint.node
+        self.address = endpoint.address
+        self.regions = {h.region: _Remote(h) for h in endpoint.regions}
+        self.ep: _ucp.Endpoint | None = None
+
+    def same_as(self, endpoint: NodeEndpoint) -> bool:
+        return self.address == endpoint.address and {
+            r.handle for r in self.regions.values()
+        } == set(endpoint.regions)
+
+
+class _Batch:
+    """Requests one call posted, and the buffers they use (kept alive until they complete)."""
+
+    __slots__ = ("keep", "pending")
+
+    def __init__(self) -> None:
+        self.pending: list[Any] = []
+        self.keep: list[Any] = []
+
+
+class _UcxClient(TransportClient):
+    def __init__(self, config: TransportConfig) -> None:
+        self._b = _native()
+        self._timeout = config.timeout
+        self._peers: dict[int, _Peer] = {}
+        # Keys of endpoints closed under running requests: destroyed once nothing is in flight.
+        self._retired: list[_ucp.RemoteKey] = []
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        try:
+            self._context = _ucp.Context(_context_config(), name="kvfabric-client", shared=False)
+            try:
+                # SERIALIZED: any thread may use the worker, one at a time (our lock).
+                self._worker = _ucp.Worker(self._context, _ucp.THREAD_MODE_SERIALIZED)
+                efd = self._worker.efd()
+            except BaseException:
+                self._context.close()
+                raise
+        except _ucp.UcxError as exc:
+            raise _boundary("ucx: cannot start a client worker", exc) from exc
+        self._efd = efd
+        # A poll object serves one thread at a time: each waiting thread gets its own.
+        self._pollers = threading.local()
+
+    # -- nodes ------------------------------------------------------------------------
+
+    def reachable(self, endpoint: NodeEndpoint) -> bool:
+        # Whether UCX has a path depends on the transports both sides enabled (UCX_TLS):
+        # making the endpoint is local and tells.
+        try:
+            self.connect(endpoint)
+        except TransportError as exc:
+            log.debug("kvfabric ucx: node %d unreachable: %s", endpoint.node, exc)
+            return False
+        return True
+
+    def connect(self, endpoint: NodeEndpoint) -> None:
+        with self._lock:
+            old = self._peers.get(endpoint.node)
+            if old is not None and old.same_as(endpoint):
+                return
+            peer = _Peer(endpoint)
+            self._open(peer)
+            self._peers[endpoint.node] = peer
+            if old is not None:
+                self._shut(old)
+
+    def disconnect(self, node: int) -> None:
+        with self._lock:
+            peer = self._peers.pop(node, None)
+            if peer is not None:
+                self._shut(peer)
+
+    def close(self) -> None:
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+            for peer in peers:
+                self._shut(peer)
+            self._drain()
+            self._destroy_retired()
+            self._worker.close()
+            self._context.close()
+
+    def _open(self, peer: _Peer) -> None:
+        """Create the endpoint and unpack the region keys (lock held)."""
+        try:
+            ep = _ucp.Endpoint(self._worker, peer.address, name=f"kvfabric-node{peer.node}")
+        except _ucp.UcxError as exc:
+            raise _boundary(f"ucx: cannot reach node {peer.node}", exc) from exc
+        try:
+            for remote in peer.regions.values():
+                remote.rkey = ep.unpack(remote.packed)
+        except _ucp.UcxError as exc:
+            self._close_ep(ep, [r.rkey for r in peer.regions.values()])
+            for remote in peer.regions.values():
+                remote.rkey = None
+            raise _boundary(f"ucx: node {peer.node}'s remote keys", exc) from exc
+        peer.ep = ep
+
+    def _shut(self, peer: _Peer) -> None:
+        """Force-close the peer's endpoint, cancelling whatever runs on it (lock held)."""
+        ep = peer.ep
+        if ep is None:
+            return
+        peer.ep = None
+        rkeys = [r.rkey for r in peer.regions.values()]
+        for remote in peer.regions.values():
+            remote.rkey = None
+        self._close_ep(ep, rkeys)
+
+    def _close_ep(self, ep: _ucp.Endpoint, rkeys: list[_ucp.RemoteKey | None]) -> None:
+        request = ep.force_close()
+        if _ucp.ptr_status(self._b.ffi, request) == _ucp.INPROGRESS:
+            self._b.lib.ucp_request_free(request)  # completes by itself; UCX then frees it
+        # Requests of other threads may still hold these keys until their cancellation is
+        # seen: destroy them once nothing is in flight.
+        self._retired.extend(k for k in rkeys if k is not None)
+        if not self._in_flight:
+            self._drain()
+            self._destroy_retired()
+
+    def _destroy_retired(self) -> None:
+        for rkey in self._retired:
+            rkey.close()
+        self._retired.clear()
+
+    def _drain(self) -> int:
+        progress, worker = self._b.lib.ucp_worker_progress, self._worker.handle
+        total = 0
+        for _ in range(_DRAIN_MAX):
+            done = progress(worker)
+            if not done:
+                break
+            total += done
+        return int(total)
+
+    # -- transfers --------------------------------------------------------------------
+
+    def read(self, node: int, segments: Sequence[Segment]) -> list[TransportError | None]:
+        return self._transfer(node, segments, put=False)
+
+    def write(self, node: int, segments: Sequence[Segment]) -> list[TransportError | None]:
+        return self._transfer(node, segments, put=True)
+
+    def _transfer(
+        self, node: int, segments: Sequence[Segment], *, put: bool
+    ) -> list[TransportError | None]:
+        deadline = time.monotonic() + self._timeout
+        with self._lock:
+            peer = self._peers.get(node)
+        if peer is None:
+            raise TransportError(f"not connected to node {node}")
+        errors, accepted = _plan(peer, segments, put=put)
+        if not accepted:
+            return errors
+        batch = _Batch()
+        with self._lock:
+            if self._peers.get(node) is not peer:
+                raise TransportError(f"node {node} was disconnected")
+            if peer.ep is not None and peer.ep.failure != _ucp.OK:
+                # UCX saw the node fail (while progressing for another call): posting on a
+                # failed endpoint is not safe in every UCX release, so start afresh.
+                self._shut(peer)
+            if peer.ep is None:
+                self._open(peer)  # a timeout or failure closed it: this is the reconnect
+            ep = peer.ep
+            assert ep is not None
+            self._in_flight += 1
+            try:
+                failure = self._post(ep, peer, segments, accepted, batch, put=put)
+            except BaseException:
+                self._abandon(peer, ep, batch)  # what was posted must not outlive the call
+                self._in_flight -= 1
+                raise
+        try:
+            if failure == _ucp.OK:
+                failure = self._wait(batch, deadline)
+        finally:
+            with self._lock:
+                if batch.pending or failure != _ucp.OK:
+                    self._abandon(peer, ep, batch)
+                self._in_flight -= 1
+                if not self._in_flight and self._retired:
+                    self._drain()
+                    self._destroy_retired()
+        if failure == _ucp.ERR_TIMED_OUT:
+            raise TransportTimeoutError(
+                f"ucx: node {node} did not complete {len(accepted)} transfer(s) "
+                f"within {self._timeout:g} s"
+            )
+        if failure != _ucp.OK:
+            raise TransportError(f"ucx: node {node}: {_ucp.status_text(failure)}")
+        return errors
+
+    def _post(
+        self,
+        ep: _ucp.Endpoint,
+        peer: _Peer,
+        segments: Sequence[Segment],
+        accepted: list[int],
+        batch: _Batch,
+        *,
+        put: bool,
+    ) -> int:
+        """Post every accepted segment (lock held); returns the first failure, or OK."""
+        ffi, lib, param = self._b.ffi, self._b.lib, self._b.host_param
+        post = lib.ucp_put_nbx if put else lib.ucp_get_nbx
+        handle = ep.handle
+        regions = peer.regions
+        for i in accepted:
+            seg = segments[i]
+            remote = regions[seg.region]
+            assert remote.rkey is not None
+            local = ffi.from_buffer(seg.buffer, require_writable=not put)
+            request = post(
+                handle,
+                local,
+                seg.buffer.nbytes,
+                remote.base + seg.offset,
+                remote.rkey.handle,
+                param,
+            )
+            if request != ffi.NULL:
+                status = _ucp.ptr_status(ffi, request)
+                if status != _ucp.INPROGRESS:
+                    return status
+                batch.pending.append(request)
+                batch.keep.append(local)
+        if put:
+            # A completed put only means our buffer may be reused; the flush completes when
+            # every put has landed in the node's memory, so a publish after it is safe.
+            request = ep.flush()
+            if request != ffi.NULL:
+                status = _ucp.ptr_status(ffi, request)
+                if status != _ucp.INPROGRESS:
+                    return status
+                batch.pending.append(request)
+        return _ucp.OK
+
+    def _wait(self, batch: _Batch, deadline: float) -> int:
+        """Progress until the batch completes, fails or the deadline passes (GIL-free waits)."""
+        lib = self._b.lib
+        progress, check, free = (
+            lib.ucp_worker_progress,
+            lib.ucp_request_check_status,
+            lib.ucp_request_free,
+        )
+        worker = self._worker
+        idle = 0
+        while True:
+            with self._lock:
+                # Drain first, then scan: with CMA each progress call copies one segment, so
+                # scanning after every call would cost O(n^2) for a large batch.
+                moved = 0
+                for _ in range(_DRAIN_MAX):
+                    done = progress(worker.handle)
+                    if not done:
+                        break
+                    moved += done
+                still = []
+                failure = _ucp.OK
+                for request in batch.pending:
+                    status = check(request)
+                    if status == _ucp.INPROGRESS:
+                        still.append(request)
+                        continue
+                    free(request)
+                    if status != _ucp.OK and failure == _ucp.OK:
+                        failure = status
+                completed = len(still) != len(batch.pending)
+                batch.pending = still
+                if failure != _ucp.OK:
+                    return int(failure)
+                if not still:
+                    batch.keep.clear()
+                    return _ucp.OK
+                if time.monotonic() > deadline:
+                    return _ucp.ERR_TIMED_OUT
+                idle = 0 if moved or completed else idle + 1
+                armed = idle >= _CLIENT_SPINS and worker.arm()
+            if armed:
+                # UCX signals the fd when a reply arrives (tcp, RDMA completions with
+                # wakeup); CMA copies happen inside progress, so arm() refuses while any are
+                # queued and this never sleeps on one.
+                self._poller().poll(_CLIENT_IDLE_MS)
+
+    def _poller(self) -> select.poll:
+        poller: select.poll | None = getattr(self._pollers, "poller", None)
+        if poller is None:
+            poller = self._pollers.poller = select.poll()
+            poller.register(self._efd, select.POLLIN)
+        return poller
+
+    def _abandon(self, peer: _Peer, ep: _ucp.Endpoint, batch: _Batch) -> None:
+        """After a timeout or failure: cancel what is left and drop the endpoint (lock held).
+
+        The next call reconnects. Requests of other calls on the same endpoint complete as
+        cancelled, and those calls fail too: the node is unusable, not one request.
+        """
+        if peer.ep is ep:
+            self._shut(peer)
+        lib = self._b.lib
+        for _ in range(_CANCEL_ROUNDS):
+            if not batch.pending:
+                break
+            lib.ucp_worker_progress(self._worker.handle)
+            batch.pending = [r for r in batch.pending if _still_running(lib, r)]
+        for request in batch.pending:
+            # Released by UCX when it completes; its buffer must outlive it, so keep those.
+            log.warning("kvfabric ucx: a request to node %d did not cancel", peer.node)
+            lib.ucp_request_free(request)
+        if batch.pending:
+            _leaked_buffers.extend(batch.keep)
+        batch.pending = []
+        batch.keep.clear()
+
+
+# Buffers of requests UCX never cancelled; freeing them could let a late transfer write
+# into reused memory, so they live as long as the process.
+_leaked_buffers: list[Any] = []
+
+
+def _still_running(lib: Any, request: Any) -> bool:
+    if lib.ucp_request_check_status(request) == _ucp.INPROGRESS:
+        return True
+    lib.ucp_request_free(request)
+    return False
+
+
+def _plan(
+    peer: _Peer, segments: Sequence[Segment], *, put: bool
+) -> tuple[list[TransportError | None], list[int]]:
+    """Check every segment against its region before anything is posted.
+
+    UCX does not check remote addresses against mapped memory (over tcp a bad one crashes
+    the node; over CMA it reads whatever is there), so this check is the only one.
+    """
+    errors: list[TransportError | None] = [None] * len(segments)
+    accepted: list[int] = []
+    regions = peer.regions
+    for i, seg in enumerate(segments):
+        remote = regions.get(seg.region)
+        if remote is None:
+            errors[i] = TransportError(f"node {peer.node} has no region {seg.region}")
+            continue
+        error = check_segment_bounds(seg, remote.handle)
+        if error is None and not put and seg.buffer.readonly:
+            error = TransportError(f"cannot read into a read-only buffer: {seg!r}")
+        if error is not None:
+            errors[i] = error
+        elif seg.buffer.nbytes:
+            accepted.append(i)
+    return errors, accepted
+
+
+class UcxTransport(Transport):
+    name = "ucx"
+    # One-sided with UCX_TLS=sm (CMA) and with RDMA; with UCX_TLS=tcp UCX emulates RMA with
+    # the node's progress thread (see docs/ucx.md).
+    capabilities = Capabilities(
+        one_sided=True,
+        local_only=False,
+        memory_kinds=frozenset({MemoryKind.DRAM, MemoryKind.FILE}),
+    )
+    install_hint = _HINT
+
+    @classmethod
+    def check_available(cls) -> None:
+        _native()
+
+    @classmethod
+    def create_server(cls, config: TransportConfig) -> TransportServer:
+        return _UcxServer(config)
+
+    @classmethod
+    def create_client(cls, config: TransportConfig) -> TransportClient:
+        return _UcxClient(config)
+
+
+@hookimpl
+def kvfabric_register_transports(registry: Registry[Any]) -> None:
+    registry.add(UcxTransport.name, UcxTransport)

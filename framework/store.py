@@ -27,6 +27,7 @@ from kvfabric.descriptor import Descriptor
 from kvfabric.errors import (
     ControllerUnavailableError,
     InvalidKeyError,
+    KvfabricError,
     ValidationError,
     ValueTooLargeError,
 )
@@ -36,7 +37,7 @@ from kvfabric.node import DataNode
 from kvfabric.options import ClientOptions
 from kvfabric.plugins import PluginManager
 from kvfabric.prefetch import PrefetchCache
-from kvfabric.record import HEADER_SIZE, checksum, pack_header, validate_record
+from kvfabric.record import HEADER_SIZE, checksum_pieces, pack_header, validate_record
 from kvfabric.transport import Segment, TransportClient
 
 __all__ = ["PutOutcome", "Store"]
@@ -209,25 +210,26 @@ class Store:
     def batched_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[PutOutcome]:
         """Store values under keys: one allocate call, the writes, one publish call.
 
-        A key already stored moves no bytes (``DEDUPLICATED``). Raises
-        :class:`ValueTooLargeError` before doing anything if a value exceeds ``max_value``.
+        A value is a buffer, or a list of buffers whose concatenation is the value (gathered
+        from where they lie, no copy). A key already stored moves no bytes
+        (``DEDUPLICATED``). Raises :class:`ValueTooLargeError` before doing anything if a
+        value exceeds ``max_value``.
         """
         _check_keys(keys)
         if len(values) != len(keys):
             raise ValueError(f"{len(values)} values for {len(keys)} keys")
         if not keys:
             return []
-        views = [byte_view(v) for v in values]
-        for i, view in enumerate(views):
-            if view.nbytes > self._options.max_value:
+        pieces = [_value_pieces(v) for v in values]
+        lengths = [sum(p.nbytes for p in value) for value in pieces]
+        for i, length in enumerate(lengths):
+            if length > self._options.max_value:
                 raise ValueTooLargeError(
-                    f"value {i} has {view.nbytes} bytes; this store takes at most "
+                    f"value {i} has {length} bytes; this store takes at most "
                     f"{self._options.max_value} (option max_value)"
                 )
         self._prefetch.drop(keys)
-        requests = [
-            AllocationRequest(key=k, length=v.nbytes) for k, v in zip(keys, views, strict=True)
-        ]
+        requests = [AllocationRequest(key=k, length=n) for k, n in zip(keys, lengths, strict=True)]
         self._counters.add("puts")
         try:
             result = self._rpc(self._index.allocate, requests)
@@ -242,7 +244,7 @@ class Store:
                 outcomes.append(PutOutcome.STORED)
             else:
                 outcomes.append(_OUTCOME_OF[alloc.kind])
-        written, failed = self._write(grants, views)
+        written, failed = self._write(grants, pieces)
         published = self._publish(written)
         for i, d, _ in written:
             if not published.get(i, False):
@@ -262,6 +264,14 @@ class Store:
             put_failures=len(failed),
         )
         return outcomes
+
+    def ping(self) -> bool:
+        """Whether the controller answers (one control round trip; never raises)."""
+        try:
+            self._rpc(self._index.nodes)
+        except KvfabricError:
+            return False
+        return True
 
     def prefetched(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
         """The descriptors the last lookups left for ``keys`` (no round trip).
@@ -484,7 +494,7 @@ class Store:
     def _write(
         self,
         grants: dict[int, list[tuple[int, Descriptor]]],
-        views: Sequence[memoryview],
+        pieces: Sequence[list[memoryview]],
     ) -> tuple[list[tuple[int, Descriptor, int]], list[tuple[int, Descriptor]]]:
         """Checksum and write the granted records, per node (nodes in parallel).
 
@@ -494,17 +504,24 @@ class Store:
             return [], []
         self._ensure_routes(set(grants))
 
-        def job(node: int, items: list[tuple[int, Descriptor]]) -> tuple[list[int], list[Any]]:
+        def job(
+            node: int, items: list[tuple[int, Descriptor]]
+        ) -> tuple[list[int], list[Any], list[int]]:
             _, client = self._data.route(node)
             segments: list[Segment] = []
             crcs: list[int] = []
+            spans: list[int] = []
             for i, d in items:
-                crc = checksum(views[i])
+                crc = checksum_pieces(pieces[i])
                 crcs.append(crc)
                 head = pack_header(d.key, d.version, d.length, crc)
                 segments.append(Segment(d.region, d.rkey, d.offset, memoryview(head)))
-                segments.append(Segment(d.region, d.rkey, d.offset + HEADER_SIZE, views[i]))
-            return crcs, client.write(node, segments)
+                offset = d.offset + HEADER_SIZE
+                for piece in pieces[i]:
+                    segments.append(Segment(d.region, d.rkey, offset, piece))
+                    offset += piece.nbytes
+                spans.append(1 + len(pieces[i]))
+            return crcs, client.write(node, segments), spans
 
         outcomes = self._data.run_per_node(
             {node: functools.partial(job, node, items) for node, items in grants.items()}
@@ -518,12 +535,14 @@ class Store:
                 self._counters.add("transport_failures")
                 failed.extend(items)
                 continue
-            crcs, errors = outcome
+            crcs, errors, spans = outcome
+            start = 0
             for n, (i, d) in enumerate(items):
-                if errors[2 * n] is None and errors[2 * n + 1] is None:
+                if all(error is None for error in errors[start : start + spans[n]]):
                     written.append((i, d, crcs[n]))
                 else:
                     failed.append((i, d))
+                start += spans[n]
         return written, failed
 
     def _publish(self, written: list[tuple[int, Descriptor, int]]) -> dict[int, bool]:
@@ -542,6 +561,13 @@ class Store:
         if self._observer_pool is None:
             self._observer_pool = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-observe")
         self._observer_pool.submit(hook, keys=list(keys), hits=hits)
+
+
+def _value_pieces(value: Any) -> list[memoryview]:
+    """A value as flat views: one buffer, or a list of buffers concatenated."""
+    if isinstance(value, list | tuple):
+        return [byte_view(piece) for piece in value]
+    return [byte_view(value)]
 
 
 def _landing_pieces(target: Any, length: int) -> list[memoryview] | None:

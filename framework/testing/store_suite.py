@@ -126,6 +126,17 @@ class StoreConformance:
         small = [[bytearray(4096)], [bytearray(4096), bytearray(4096)]]
         assert store.batched_get_scattered(keys, small) == [False, False]
 
+    def test_a_value_given_as_pieces_is_stored_as_their_concatenation(self, store: Store) -> None:
+        keys = _keys(2)
+        first = [os.urandom(1000), os.urandom(5000), b""]
+        second = np.arange(300, dtype=np.uint16)
+        assert store.batched_put(keys, [first, [second]]) == [PutOutcome.STORED] * 2
+        assert _as_bytes(store.batched_get(keys)) == [b"".join(first), second.tobytes()]
+        assert store.stats()["payload_bytes_written"] >= 6600
+
+    def test_ping_says_the_store_answers(self, store: Store) -> None:
+        assert store.ping() is True
+
     def test_get_into_a_partly_used_larger_buffer_returns_the_value_length(
         self, store: Store
     ) -> None:

@@ -184,6 +184,7 @@ def test_unknown_controller_makes_lookups_miss_and_puts_fail_without_raising() -
         assert store.batched_get(keys) == [None, None, None]
         assert store.batched_put(keys, [b"a", b"b", b"c"]) == [PutOutcome.FAILED] * 3
         assert store.stats()["controller_unavailable"] >= 1
+        assert store.ping() is False
 
 
 def test_header_constants_match_the_documented_layout() -> None:

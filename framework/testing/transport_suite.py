@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -178,6 +179,42 @@ class TransportConformance:
         ]
         assert client.read(1, reads) == [None] * count
         assert dests == blobs
+
+    def test_threads_sharing_a_client_each_land_their_own_bytes(
+        self, transport_cls: Any, endpoint: NodeEndpoint
+    ) -> None:
+        blobs = [_pattern(64 * 1024, 100 + i) for i in range(16)]
+        client = transport_cls.create_client(TransportConfig(timeout=10.0))
+        client.connect(endpoint)
+        failures: list[str] = []
+
+        def place(i: int, buf: Any) -> Segment:
+            return self._segment(endpoint, i % 2, (i // 2) * 128 * 1024, buf)
+
+        def work(seed: int) -> None:
+            for round_ in range(25):
+                picks = [(seed + round_ + k) % 16 for k in range(4)]
+                dests = [bytearray(64 * 1024) for _ in picks]
+                reads = [place(i, d) for i, d in zip(picks, dests, strict=True)]
+                try:
+                    errors = client.read(1, reads)
+                except TransportError as exc:
+                    failures.append(f"thread {seed}: {exc}")
+                    return
+                if errors != [None] * 4 or dests != [blobs[i] for i in picks]:
+                    failures.append(f"thread {seed}, round {round_}: wrong bytes")
+
+        try:
+            assert client.write(1, [place(i, b) for i, b in enumerate(blobs)]) == [None] * 16
+            threads = [threading.Thread(target=work, args=(s,)) for s in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+            assert not any(t.is_alive() for t in threads)
+            assert failures == []
+        finally:
+            client.close()
 
     def test_read_lands_in_the_callers_buffer(
         self, client: TransportClient, endpoint: NodeEndpoint

@@ -376,43 +376,6 @@ def test_ucx_log_lines_never_corrupt_the_stdout_handshake() -> None:
         server.close()
 
 
-@needs_ucx
-def test_threads_sharing_a_client_each_land_their_own_bytes(server: RegionServer) -> None:
-    endpoint = server.endpoint
-    blobs = [os.urandom(64 * 1024) for _ in range(16)]
-    client = _client(endpoint, timeout=10.0)
-    failures: list[str] = []
-    try:
-        writes = [_segment(endpoint, i % 2, (i // 2) * 128 * 1024, b) for i, b in enumerate(blobs)]
-        assert client.write(1, writes) == [None] * 16
-
-        def work(seed: int) -> None:
-            for round_ in range(25):
-                picks = [(seed + round_ + k) % 16 for k in range(4)]
-                dests = [bytearray(64 * 1024) for _ in picks]
-                reads = [
-                    _segment(endpoint, i % 2, (i // 2) * 128 * 1024, d)
-                    for i, d in zip(picks, dests, strict=True)
-                ]
-                try:
-                    errors = client.read(1, reads)
-                except TransportError as exc:
-                    failures.append(f"thread {seed}: {exc}")
-                    return
-                if errors != [None] * 4 or dests != [blobs[i] for i in picks]:
-                    failures.append(f"thread {seed}, round {round_}: wrong bytes")
-
-        threads = [threading.Thread(target=work, args=(s,)) for s in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert not any(t.is_alive() for t in threads)
-        assert failures == []
-    finally:
-        client.close()
-
-
 # -- the GIL -------------------------------------------------------------------------------
 
 

@@ -20,7 +20,13 @@ Every test asserts an outcome (bytes, counts, errors); none asserts a timing.
 from kvfabric.testing.cluster import Cluster, free_port
 from kvfabric.testing.hooks import corrupt_payload, resolve_descriptor
 from kvfabric.testing.store_suite import StoreConformance
-from kvfabric.testing.transport_suite import RegionServer, TransportConformance
+from kvfabric.testing.transport_suite import (
+    RegionServer,
+    TransportConformance,
+    open_client,
+    round_trip_works,
+    segment_for,
+)
 
 __all__ = [
     "Cluster",
@@ -29,5 +35,8 @@ __all__ = [
     "TransportConformance",
     "corrupt_payload",
     "free_port",
+    "open_client",
     "resolve_descriptor",
+    "round_trip_works",
+    "segment_for",
 ]

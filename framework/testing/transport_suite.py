@@ -26,7 +26,13 @@ from kvfabric.transport import (
     TransportConfig,
 )
 
-__all__ = ["RegionServer", "TransportConformance"]
+__all__ = [
+    "RegionServer",
+    "TransportConformance",
+    "open_client",
+    "round_trip_works",
+    "segment_for",
+]
 
 _MIB = 1 << 20
 
@@ -93,6 +99,35 @@ class RegionServer:
         self.process.wait()
 
 
+def segment_for(endpoint: NodeEndpoint, region: int, offset: int, buf: Any) -> Segment:
+    """A segment of ``buf`` at ``offset`` in the endpoint's ``region``-th region."""
+    handle = endpoint.regions[region]
+    return Segment(handle.region, handle.rkey, offset, memoryview(buf).cast("B"))
+
+
+def open_client(
+    transport: str, endpoint: NodeEndpoint, *, timeout: float = 2.0, token: bytes = b""
+) -> TransportClient:
+    """A client of the named transport, connected to ``endpoint`` (as node 1)."""
+    config = TransportConfig(timeout=timeout, token=token)
+    client: TransportClient = plugin_manager().transport(transport).create_client(config)
+    client.connect(endpoint)
+    return client
+
+
+def round_trip_works(transport: str, endpoint: NodeEndpoint, *, token: bytes = b"") -> bool:
+    """A fresh, good client can still write and read back through the node."""
+    data = os.urandom(4096)
+    client = open_client(transport, endpoint, token=token)
+    try:
+        assert client.write(1, [segment_for(endpoint, 0, 8192, data)]) == [None]
+        dest = bytearray(4096)
+        assert client.read(1, [segment_for(endpoint, 0, 8192, dest)]) == [None]
+        return dest == data
+    finally:
+        client.close()
+
+
 def _pattern(n: int, seed: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
@@ -148,10 +183,6 @@ class TransportConformance:
 
     # -- moving bytes -----------------------------------------------------------------
 
-    def _segment(self, endpoint: NodeEndpoint, region: int, offset: int, buf: Any) -> Segment:
-        handle = endpoint.regions[region]
-        return Segment(handle.region, handle.rkey, offset, memoryview(buf).cast("B"))
-
     @pytest.mark.parametrize(
         ("offset", "length"), [(0, 1), (3, 4099), (4096, 64 * 1024), (100, _MIB), (0, 4 * _MIB)]
     )
@@ -159,9 +190,9 @@ class TransportConformance:
         self, client: TransportClient, endpoint: NodeEndpoint, offset: int, length: int
     ) -> None:
         data = _pattern(length, length)
-        assert client.write(1, [self._segment(endpoint, 0, offset, data)]) == [None]
+        assert client.write(1, [segment_for(endpoint, 0, offset, data)]) == [None]
         dest = bytearray(length)
-        assert client.read(1, [self._segment(endpoint, 0, offset, dest)]) == [None]
+        assert client.read(1, [segment_for(endpoint, 0, offset, dest)]) == [None]
         assert dest == data
 
     def test_batch_lands_each_segment_in_its_own_buffer(
@@ -170,12 +201,12 @@ class TransportConformance:
         count, size = 256, 12_000
         blobs = [_pattern(size, i) for i in range(count)]
         writes = [
-            self._segment(endpoint, i % 2, (i // 2) * 16_384, blob) for i, blob in enumerate(blobs)
+            segment_for(endpoint, i % 2, (i // 2) * 16_384, blob) for i, blob in enumerate(blobs)
         ]
         assert client.write(1, writes) == [None] * count
         dests = [bytearray(size) for _ in range(count)]
         reads = [
-            self._segment(endpoint, i % 2, (i // 2) * 16_384, dest) for i, dest in enumerate(dests)
+            segment_for(endpoint, i % 2, (i // 2) * 16_384, dest) for i, dest in enumerate(dests)
         ]
         assert client.read(1, reads) == [None] * count
         assert dests == blobs
@@ -189,7 +220,7 @@ class TransportConformance:
         failures: list[str] = []
 
         def place(i: int, buf: Any) -> Segment:
-            return self._segment(endpoint, i % 2, (i // 2) * 128 * 1024, buf)
+            return segment_for(endpoint, i % 2, (i // 2) * 128 * 1024, buf)
 
         def work(seed: int) -> None:
             for round_ in range(25):
@@ -220,21 +251,21 @@ class TransportConformance:
         self, client: TransportClient, endpoint: NodeEndpoint
     ) -> None:
         data = _pattern(256 * 1024, 7)
-        client.write(1, [self._segment(endpoint, 1, 8192, data)])
+        client.write(1, [segment_for(endpoint, 1, 8192, data)])
         array = np.zeros(256 * 1024, dtype=np.uint8)
-        assert client.read(1, [self._segment(endpoint, 1, 8192, array)]) == [None]
+        assert client.read(1, [segment_for(endpoint, 1, 8192, array)]) == [None]
         assert array.tobytes() == data
 
     def test_wrong_rkey_is_refused_without_bytes(
         self, client: TransportClient, endpoint: NodeEndpoint
     ) -> None:
         good = _pattern(4096, 1)
-        client.write(1, [self._segment(endpoint, 0, 0, good)])
+        client.write(1, [segment_for(endpoint, 0, 0, good)])
         handle = endpoint.regions[0]
         dest = bytearray(b"\xaa" * 4096)
         ok_dest = bytearray(4096)
         bad = Segment(handle.region, handle.rkey ^ 0x5A5A, 0, memoryview(dest))
-        errors = client.read(1, [bad, self._segment(endpoint, 0, 0, ok_dest)])
+        errors = client.read(1, [bad, segment_for(endpoint, 0, 0, ok_dest)])
         assert isinstance(errors[0], TransportError)
         assert errors[1] is None
         assert dest == b"\xaa" * 4096
@@ -244,12 +275,12 @@ class TransportConformance:
         self, client: TransportClient, endpoint: NodeEndpoint
     ) -> None:
         original = _pattern(4096, 2)
-        client.write(1, [self._segment(endpoint, 0, 0, original)])
+        client.write(1, [segment_for(endpoint, 0, 0, original)])
         handle = endpoint.regions[0]
         bad = Segment(handle.region, handle.rkey + 1, 0, memoryview(b"\x00" * 4096))
         assert isinstance(client.write(1, [bad])[0], TransportError)
         dest = bytearray(4096)
-        client.read(1, [self._segment(endpoint, 0, 0, dest)])
+        client.read(1, [segment_for(endpoint, 0, 0, dest)])
         assert dest == original
 
     @pytest.mark.parametrize("where", ["past_end", "straddling_end"])
@@ -259,11 +290,11 @@ class TransportConformance:
         size = endpoint.regions[0].size
         offset = size + 4096 if where == "past_end" else size - 100
         dest = bytearray(b"\xbb" * 1000)
-        errors = client.read(1, [self._segment(endpoint, 0, offset, dest)])
+        errors = client.read(1, [segment_for(endpoint, 0, offset, dest)])
         assert isinstance(errors[0], TransportError)
         assert dest == b"\xbb" * 1000
         assert isinstance(
-            client.write(1, [self._segment(endpoint, 0, offset, dest)])[0], TransportError
+            client.write(1, [segment_for(endpoint, 0, offset, dest)])[0], TransportError
         )
 
     def test_unknown_region_is_refused(
@@ -277,7 +308,7 @@ class TransportConformance:
     def test_zero_length_segment_is_fine(
         self, client: TransportClient, endpoint: NodeEndpoint
     ) -> None:
-        assert client.read(1, [self._segment(endpoint, 0, 64, bytearray(0))]) == [None]
+        assert client.read(1, [segment_for(endpoint, 0, 64, bytearray(0))]) == [None]
 
     def test_node_never_connected_is_a_transport_error(self, client: TransportClient) -> None:
         with pytest.raises(TransportError):
@@ -287,12 +318,12 @@ class TransportConformance:
         self, client: TransportClient, endpoint: NodeEndpoint, server: RegionServer
     ) -> None:
         data = _pattern(64 * 1024, 3)
-        client.write(1, [self._segment(endpoint, 0, 0, data)])
+        client.write(1, [segment_for(endpoint, 0, 0, data)])
         server.kill()
         dest = bytearray(64 * 1024)
         started = time.monotonic()
         try:
-            errors = client.read(1, [self._segment(endpoint, 0, 0, dest)])
+            errors = client.read(1, [segment_for(endpoint, 0, 0, dest)])
         except TransportError:
             pass
         else:

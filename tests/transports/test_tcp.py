@@ -21,8 +21,15 @@ import pytest
 from kvfabric.backend import BackendConfig
 from kvfabric.errors import TransportError, TransportTimeoutError
 from kvfabric.node import DataNode
-from kvfabric.testing import RegionServer, StoreConformance, TransportConformance
-from kvfabric.transport import NodeEndpoint, Segment, TransportClient, TransportConfig
+from kvfabric.testing import (
+    RegionServer,
+    StoreConformance,
+    TransportConformance,
+    open_client,
+    round_trip_works,
+    segment_for,
+)
+from kvfabric.transport import NodeEndpoint, Segment, TransportConfig
 from kvfabric.transports.tcp import TcpTransport
 
 _MIB = 1 << 20
@@ -45,30 +52,6 @@ class TestEmbeddedStoreOverTcp(StoreConformance):
 
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-def _client(endpoint: NodeEndpoint, *, timeout: float = 2.0, token: bytes = b"") -> TransportClient:
-    client = TcpTransport.create_client(TransportConfig(timeout=timeout, token=token))
-    client.connect(endpoint)
-    return client
-
-
-def _segment(endpoint: NodeEndpoint, region: int, offset: int, buf: Any) -> Segment:
-    handle = endpoint.regions[region]
-    return Segment(handle.region, handle.rkey, offset, memoryview(buf).cast("B"))
-
-
-def _round_trip_works(endpoint: NodeEndpoint, *, token: bytes = b"") -> bool:
-    """A fresh, good client can still write and read back through the node."""
-    data = os.urandom(4096)
-    client = _client(endpoint, token=token)
-    try:
-        assert client.write(1, [_segment(endpoint, 0, 8192, data)]) == [None]
-        dest = bytearray(4096)
-        assert client.read(1, [_segment(endpoint, 0, 8192, dest)]) == [None]
-        return dest == data
-    finally:
-        client.close()
 
 
 def _address(endpoint: NodeEndpoint) -> tuple[str, int]:
@@ -123,11 +106,11 @@ def test_wrong_or_missing_token_is_refused_and_the_right_one_is_served() -> None
     server = RegionServer("tcp", token="secret")
     try:
         for token in (b"wrong", b""):
-            client = _client(server.endpoint, token=token)
+            client = open_client("tcp", server.endpoint, token=token)
             with pytest.raises(TransportError):
-                client.read(1, [_segment(server.endpoint, 0, 0, bytearray(16))])
+                client.read(1, [segment_for(server.endpoint, 0, 0, bytearray(16))])
             client.close()
-        assert _round_trip_works(server.endpoint, token=b"secret")
+        assert round_trip_works("tcp", server.endpoint, token=b"secret")
     finally:
         server.close()
 
@@ -142,7 +125,7 @@ def test_auth_failures_are_counted_and_close_the_connection(node: DataNode) -> N
         sock.sendall(_HEADER.pack(b"KVFT", 1, _READ, 0, 0, 1))  # no HELLO first
         _recv_until_closed(sock)
     assert node.servers["tcp"].stats()["auth_failures"] == 2
-    assert _round_trip_works(endpoint, token=b"secret")
+    assert round_trip_works("tcp", endpoint, token=b"secret")
 
 
 # -- malformed input -----------------------------------------------------------------------
@@ -160,7 +143,7 @@ def test_random_bytes_and_a_truncated_header_leave_the_node_serving(
     stalled = socket.create_connection(_address(server.endpoint))
     stalled.sendall(b"KVF")
     try:
-        assert _round_trip_works(server.endpoint)
+        assert round_trip_works("tcp", server.endpoint)
     finally:
         stalled.close()
 
@@ -182,7 +165,7 @@ def test_absurd_frames_are_refused_with_an_error_reply(server: RegionServer, fra
     magic, _, _, code, count, _ = _HEADER.unpack(reply)
     assert (magic, count) == (b"KVFT", 0)
     assert code != 0
-    assert _round_trip_works(server.endpoint)
+    assert round_trip_works("tcp", server.endpoint)
 
 
 def test_bad_frames_are_counted(node: DataNode) -> None:
@@ -200,19 +183,19 @@ def test_bad_frames_are_counted(node: DataNode) -> None:
 def test_stalled_node_times_out_then_a_fresh_read_works(server: RegionServer) -> None:
     endpoint = server.endpoint
     data = os.urandom(64 * 1024)
-    client = _client(endpoint, timeout=1.0)
+    client = open_client("tcp", endpoint, timeout=1.0)
     try:
-        assert client.write(1, [_segment(endpoint, 0, 0, data)]) == [None]
+        assert client.write(1, [segment_for(endpoint, 0, 0, data)]) == [None]
         os.kill(server.process.pid, signal.SIGSTOP)
         try:
             started = time.monotonic()
             with pytest.raises(TransportTimeoutError):
-                client.read(1, [_segment(endpoint, 0, 0, bytearray(len(data)))])
+                client.read(1, [segment_for(endpoint, 0, 0, bytearray(len(data)))])
             assert time.monotonic() - started < 1.0 + 4.0
         finally:
             os.kill(server.process.pid, signal.SIGCONT)
         dest = bytearray(len(data))
-        assert client.read(1, [_segment(endpoint, 0, 0, dest)]) == [None]
+        assert client.read(1, [segment_for(endpoint, 0, 0, dest)]) == [None]
         assert dest == data
     finally:
         client.close()
@@ -220,14 +203,14 @@ def test_stalled_node_times_out_then_a_fresh_read_works(server: RegionServer) ->
 
 def test_killed_node_fails_fast_not_at_the_timeout(server: RegionServer) -> None:
     endpoint = server.endpoint
-    client = _client(endpoint, timeout=30.0)
+    client = open_client("tcp", endpoint, timeout=30.0)
     try:
-        assert client.read(1, [_segment(endpoint, 0, 0, bytearray(16))]) == [None]
+        assert client.read(1, [segment_for(endpoint, 0, 0, bytearray(16))]) == [None]
         server.kill()
         for _ in range(2):  # first on the pooled connection, then on a fresh one
             started = time.monotonic()
             with pytest.raises(TransportError) as caught:
-                client.read(1, [_segment(endpoint, 0, 0, bytearray(16))])
+                client.read(1, [segment_for(endpoint, 0, 0, bytearray(16))])
             assert not isinstance(caught.value, TransportTimeoutError)
             assert time.monotonic() - started < 5.0
     finally:
@@ -236,15 +219,15 @@ def test_killed_node_fails_fast_not_at_the_timeout(server: RegionServer) -> None
 
 def test_reconnect_to_a_new_address_replaces_the_old_one() -> None:
     first, second = RegionServer("tcp"), RegionServer("tcp")
-    client = _client(first.endpoint)
+    client = open_client("tcp", first.endpoint)
     try:
-        assert client.read(1, [_segment(first.endpoint, 0, 0, bytearray(16))]) == [None]
+        assert client.read(1, [segment_for(first.endpoint, 0, 0, bytearray(16))]) == [None]
         first.kill()
         client.connect(second.endpoint)
         data = os.urandom(1000)
-        assert client.write(1, [_segment(second.endpoint, 0, 0, data)]) == [None]
+        assert client.write(1, [segment_for(second.endpoint, 0, 0, data)]) == [None]
         dest = bytearray(1000)
-        assert client.read(1, [_segment(second.endpoint, 0, 0, dest)]) == [None]
+        assert client.read(1, [segment_for(second.endpoint, 0, 0, dest)]) == [None]
         assert dest == data
     finally:
         client.close()
@@ -255,9 +238,9 @@ def test_reconnect_to_a_new_address_replaces_the_old_one() -> None:
 def test_node_restarted_on_the_same_port_is_reached_without_a_failed_call() -> None:
     first = _local_node()
     endpoint = _local_endpoint(first)
-    client = _client(endpoint)
+    client = open_client("tcp", endpoint)
     try:
-        assert client.read(1, [_segment(endpoint, 0, 0, bytearray(16))]) == [None]
+        assert client.read(1, [segment_for(endpoint, 0, 0, bytearray(16))]) == [None]
         first.close()  # leaves the client a pooled connection the node has closed
         second = _local_node(port=_address(endpoint)[1])
         try:
@@ -265,9 +248,9 @@ def test_node_restarted_on_the_same_port_is_reached_without_a_failed_call() -> N
             assert restarted.address == endpoint.address
             client.connect(restarted)
             data = os.urandom(1000)
-            assert client.write(1, [_segment(restarted, 0, 0, data)]) == [None]
+            assert client.write(1, [segment_for(restarted, 0, 0, data)]) == [None]
             dest = bytearray(1000)
-            assert client.read(1, [_segment(restarted, 0, 0, dest)]) == [None]
+            assert client.read(1, [segment_for(restarted, 0, 0, dest)]) == [None]
             assert dest == data
         finally:
             second.close()
@@ -282,20 +265,20 @@ def test_refused_writes_in_a_batch_keep_the_stream_in_sync(server: RegionServer)
     endpoint = server.endpoint
     handle = endpoint.regions[0]
     a, b = os.urandom(10_000), os.urandom(10_000)
-    client = _client(endpoint)
+    client = open_client("tcp", endpoint)
     try:
         errors = client.write(
             1,
             [
-                _segment(endpoint, 0, 0, a),
+                segment_for(endpoint, 0, 0, a),
                 Segment(handle.region, handle.rkey ^ 1, 20_000, memoryview(os.urandom(_MIB))),
-                _segment(endpoint, 0, handle.size - 10, os.urandom(100)),
-                _segment(endpoint, 0, 50_000, b),
+                segment_for(endpoint, 0, handle.size - 10, os.urandom(100)),
+                segment_for(endpoint, 0, 50_000, b),
             ],
         )
         assert [e is None for e in errors] == [True, False, False, True]
         dests = [bytearray(10_000), bytearray(10_000)]
-        reads = [_segment(endpoint, 0, 0, dests[0]), _segment(endpoint, 0, 50_000, dests[1])]
+        reads = [segment_for(endpoint, 0, 0, dests[0]), segment_for(endpoint, 0, 50_000, dests[1])]
         assert client.read(1, reads) == [None, None]
         assert dests == [a, b]
     finally:
@@ -309,17 +292,17 @@ def test_records_of_header_and_payload_scatter_into_their_buffers(
     endpoint = server.endpoint
     count, size, stride = 1500, 1000, 2048
     records = [os.urandom(64 + size) for _ in range(count)]
-    client = _client(endpoint)
+    client = open_client("tcp", endpoint)
     try:
-        writes = [_segment(endpoint, i % 2, (i // 2) * stride, r) for i, r in enumerate(records)]
+        writes = [segment_for(endpoint, i % 2, (i // 2) * stride, r) for i, r in enumerate(records)]
         assert client.write(1, writes) == [None] * count
         heads = [bytearray(64) for _ in range(count)]
         bodies = [bytearray(size) for _ in range(count)]
         reads: list[Segment] = []
         for i in range(count):
             offset = (i // 2) * stride
-            reads.append(_segment(endpoint, i % 2, offset, heads[i]))
-            reads.append(_segment(endpoint, i % 2, offset + 64, bodies[i]))
+            reads.append(segment_for(endpoint, i % 2, offset, heads[i]))
+            reads.append(segment_for(endpoint, i % 2, offset + 64, bodies[i]))
         assert client.read(1, reads) == [None] * (2 * count)
         assert [bytes(h + b) for h, b in zip(heads, bodies, strict=True)] == records
     finally:
@@ -330,12 +313,14 @@ def test_batch_larger_than_one_frame_is_split_and_lands(server: RegionServer) ->
     endpoint = server.endpoint
     count = 70_000  # the wire allows 65536 entries per frame
     data = os.urandom(count * 16)
-    client = _client(endpoint, timeout=30.0)
+    client = open_client("tcp", endpoint, timeout=30.0)
     try:
-        assert client.write(1, [_segment(endpoint, 0, 0, data)]) == [None]
+        assert client.write(1, [segment_for(endpoint, 0, 0, data)]) == [None]
         dest = bytearray(len(data))
         view = memoryview(dest)
-        reads = [_segment(endpoint, 0, i * 16, view[i * 16 : (i + 1) * 16]) for i in range(count)]
+        reads = [
+            segment_for(endpoint, 0, i * 16, view[i * 16 : (i + 1) * 16]) for i in range(count)
+        ]
         assert client.read(1, reads) == [None] * count
         assert dest == data
     finally:
@@ -347,11 +332,11 @@ def test_64_by_4mib_batch_lands_byte_exact() -> None:
     endpoint = server.endpoint
     chunk = 4 * _MIB
     blobs = [os.urandom(chunk) for _ in range(64)]
-    client = _client(endpoint, timeout=60.0)
+    client = open_client("tcp", endpoint, timeout=60.0)
     try:
 
         def place(i: int, buf: object) -> Segment:
-            return _segment(endpoint, i // 16, (i % 16) * chunk, buf)
+            return segment_for(endpoint, i // 16, (i % 16) * chunk, buf)
 
         assert client.write(1, [place(i, b) for i, b in enumerate(blobs)]) == [None] * 64
         dests = [bytearray(chunk) for _ in range(64)]
@@ -368,13 +353,15 @@ def test_64_by_4mib_batch_lands_byte_exact() -> None:
 def test_server_counts_what_it_served(node: DataNode) -> None:
     endpoint = _local_endpoint(node)
     handle = endpoint.regions[0]
-    client = _client(endpoint, token=b"secret")
+    client = open_client("tcp", endpoint, token=b"secret")
     try:
-        client.write(1, [_segment(endpoint, 0, 0, b"x" * 100), _segment(endpoint, 1, 0, b"y")])
+        client.write(
+            1, [segment_for(endpoint, 0, 0, b"x" * 100), segment_for(endpoint, 1, 0, b"y")]
+        )
         client.read(
             1,
             [
-                _segment(endpoint, 0, 0, bytearray(100)),
+                segment_for(endpoint, 0, 0, bytearray(100)),
                 Segment(handle.region, handle.rkey + 1, 0, memoryview(bytearray(8))),
             ],
         )
@@ -392,15 +379,15 @@ def test_server_counts_what_it_served(node: DataNode) -> None:
 def test_close_returns_promptly_with_idle_clients_connected() -> None:
     node = _local_node()
     endpoint = _local_endpoint(node)
-    client = _client(endpoint)
+    client = open_client("tcp", endpoint)
     idle = socket.create_connection(_address(endpoint))
     try:
-        assert client.read(1, [_segment(endpoint, 0, 0, bytearray(8))]) == [None]
+        assert client.read(1, [segment_for(endpoint, 0, 0, bytearray(8))]) == [None]
         started = time.monotonic()
         node.close()
         assert time.monotonic() - started < 5.0
         with pytest.raises(TransportError):
-            client.read(1, [_segment(endpoint, 0, 0, bytearray(8))])
+            client.read(1, [segment_for(endpoint, 0, 0, bytearray(8))])
     finally:
         idle.close()
         client.close()
@@ -434,7 +421,7 @@ def test_a_half_sent_frame_is_dropped_after_the_frame_timeout() -> None:
             sock.settimeout(5)
             assert sock.recv(1) == b""  # the node hung up on the stalled frame
         assert server.stats()["stalled_frames"] == 1
-        assert _round_trip_works(endpoint)
+        assert round_trip_works("tcp", endpoint)
     finally:
         node.close()
 
@@ -450,7 +437,7 @@ def test_connections_beyond_the_cap_are_refused_and_the_rest_served() -> None:
         assert server.stats()["connections_refused"] == 1
         held.pop().close()
         time.sleep(0.2)
-        assert _round_trip_works(endpoint)
+        assert round_trip_works("tcp", endpoint)
     finally:
         for sock in held:
             sock.close()

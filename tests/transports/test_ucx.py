@@ -30,8 +30,16 @@ from kvfabric.codec import Writer
 from kvfabric.errors import PluginUnavailableError, TransportError, TransportTimeoutError
 from kvfabric.keys import chain_keys
 from kvfabric.plugins import plugin_manager
-from kvfabric.testing import Cluster, RegionServer, StoreConformance, TransportConformance
-from kvfabric.transport import NodeEndpoint, Segment, TransportClient, TransportConfig
+from kvfabric.testing import (
+    Cluster,
+    RegionServer,
+    StoreConformance,
+    TransportConformance,
+    open_client,
+    round_trip_works,
+    segment_for,
+)
+from kvfabric.transport import NodeEndpoint, Segment, TransportConfig
 
 _MIB = 1 << 20
 TLS = os.environ.get("UCX_TLS", "")
@@ -93,31 +101,6 @@ class TestClusterStoreOverUcx(StoreConformance):
 
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-def _client(endpoint: NodeEndpoint, *, timeout: float = 2.0) -> TransportClient:
-    client: TransportClient = (
-        plugin_manager().transport("ucx").create_client(TransportConfig(timeout=timeout))
-    )
-    client.connect(endpoint)
-    return client
-
-
-def _segment(endpoint: NodeEndpoint, region: int, offset: int, buf: Any) -> Segment:
-    handle = endpoint.regions[region]
-    return Segment(handle.region, handle.rkey, offset, memoryview(buf).cast("B"))
-
-
-def _round_trip_works(endpoint: NodeEndpoint) -> bool:
-    data = os.urandom(4096)
-    client = _client(endpoint)
-    try:
-        assert client.write(1, [_segment(endpoint, 0, 8192, data)]) == [None]
-        dest = bytearray(4096)
-        assert client.read(1, [_segment(endpoint, 0, 8192, dest)]) == [None]
-        return dest == data
-    finally:
-        client.close()
 
 
 def _keys(n: int) -> list[bytes]:
@@ -188,15 +171,15 @@ def test_stopped_node_then_continued_is_read_again(server: RegionServer) -> None
     """Over sm the stop changes nothing; over tcp the read times out, then reconnects."""
     endpoint = server.endpoint
     data = os.urandom(256 * 1024)
-    client = _client(endpoint, timeout=1.0)
+    client = open_client("ucx", endpoint, timeout=1.0)
     try:
-        assert client.write(1, [_segment(endpoint, 0, 0, data)]) == [None]
+        assert client.write(1, [segment_for(endpoint, 0, 0, data)]) == [None]
         os.kill(server.process.pid, signal.SIGSTOP)
         try:
             dest = bytearray(len(data))
             started = time.monotonic()
             try:
-                outcome = client.read(1, [_segment(endpoint, 0, 0, dest)])
+                outcome = client.read(1, [segment_for(endpoint, 0, 0, dest)])
             except TransportTimeoutError:
                 assert TLS != "sm", "a CMA read must not need the node"
             else:
@@ -206,7 +189,7 @@ def test_stopped_node_then_continued_is_read_again(server: RegionServer) -> None
         finally:
             os.kill(server.process.pid, signal.SIGCONT)
         dest = bytearray(len(data))
-        assert client.read(1, [_segment(endpoint, 0, 0, dest)]) == [None]
+        assert client.read(1, [segment_for(endpoint, 0, 0, dest)]) == [None]
         assert dest == data
     finally:
         client.close()
@@ -228,14 +211,14 @@ def test_a_stopped_node_does_not_hold_up_reads_from_another_node() -> None:
         )
         client.connect(healthy_endpoint)
         data = os.urandom(64 * 1024)
-        assert client.write(2, [_segment(healthy_endpoint, 0, 0, data)]) == [None]
-        assert client.read(1, [_segment(stalled.endpoint, 0, 0, bytearray(16))]) == [None]
+        assert client.write(2, [segment_for(healthy_endpoint, 0, 0, data)]) == [None]
+        assert client.read(1, [segment_for(stalled.endpoint, 0, 0, bytearray(16))]) == [None]
         os.kill(stalled.process.pid, signal.SIGSTOP)
         outcome: list[BaseException] = []
 
         def read_stalled() -> None:
             try:
-                client.read(1, [_segment(stalled.endpoint, 0, 0, bytearray(64 * 1024))])
+                client.read(1, [segment_for(stalled.endpoint, 0, 0, bytearray(64 * 1024))])
             except TransportError as exc:
                 outcome.append(exc)
 
@@ -246,7 +229,7 @@ def test_a_stopped_node_does_not_hold_up_reads_from_another_node() -> None:
         while waiter.is_alive():
             dest = bytearray(len(data))
             started = time.monotonic()
-            assert client.read(2, [_segment(healthy_endpoint, 0, 0, dest)]) == [None]
+            assert client.read(2, [segment_for(healthy_endpoint, 0, 0, dest)]) == [None]
             slowest = max(slowest, time.monotonic() - started)
             assert dest == data
         waiter.join()
@@ -267,14 +250,14 @@ def test_a_stopped_node_does_not_hold_up_reads_from_another_node() -> None:
 @needs_ucx
 def test_killed_node_fails_fast_not_at_the_timeout(server: RegionServer) -> None:
     endpoint = server.endpoint
-    client = _client(endpoint, timeout=30.0)
+    client = open_client("ucx", endpoint, timeout=30.0)
     try:
-        assert client.read(1, [_segment(endpoint, 0, 0, bytearray(4096))]) == [None]
+        assert client.read(1, [segment_for(endpoint, 0, 0, bytearray(4096))]) == [None]
         server.kill()
         for _ in range(2):  # on the endpoint that saw the node die, then on a fresh one
             started = time.monotonic()
             with pytest.raises(TransportError) as caught:
-                client.read(1, [_segment(endpoint, 0, 0, bytearray(4096))])
+                client.read(1, [segment_for(endpoint, 0, 0, bytearray(4096))])
             assert not isinstance(caught.value, TransportTimeoutError)
             assert time.monotonic() - started < 5.0
     finally:
@@ -288,7 +271,7 @@ def test_refused_segments_never_reach_the_node_and_it_keeps_serving(
     """UCX itself checks nothing: over tcp a wild address would crash the node."""
     endpoint = server.endpoint
     handle = endpoint.regions[0]
-    client = _client(endpoint)
+    client = open_client("ucx", endpoint)
     try:
         wild = [
             Segment(handle.region, handle.rkey, 1 << 40, memoryview(bytearray(4096))),
@@ -301,7 +284,7 @@ def test_refused_segments_never_reach_the_node_and_it_keeps_serving(
     finally:
         client.close()
     assert server.process.poll() is None
-    assert _round_trip_works(endpoint)
+    assert round_trip_works("ucx", endpoint)
 
 
 _READER = """
@@ -363,7 +346,7 @@ def test_a_client_killed_mid_batch_leaves_the_node_serving(server: RegionServer)
         time.sleep(0.3)  # leaving the block kills the reader in the middle of a batch
     time.sleep(0.2)
     assert server.process.poll() is None
-    assert _round_trip_works(endpoint)
+    assert round_trip_works("ucx", endpoint)
 
 
 @needs_ucx
@@ -371,7 +354,7 @@ def test_ucx_log_lines_never_corrupt_the_stdout_handshake() -> None:
     """UCX logs to stdout by default; at info level it prints while the node starts."""
     server = RegionServer("ucx", env={**_tls_env(), "UCX_LOG_LEVEL": "info"})
     try:
-        assert _round_trip_works(server.endpoint)
+        assert round_trip_works("ucx", server.endpoint)
     finally:
         server.close()
 
@@ -396,10 +379,10 @@ def test_a_python_thread_keeps_running_while_reads_are_in_flight() -> None:
     another process (which costs it CPU, not the GIL): the second ratio is the GIL's share."""
     server = RegionServer("ucx", env=_tls_env(), capacity=256 * _MIB, region_size=64 * _MIB)
     endpoint = server.endpoint
-    client = _client(endpoint, timeout=30.0)
+    client = open_client("ucx", endpoint, timeout=30.0)
     chunk = 4 * _MIB
     dests = [np.ones(chunk, dtype=np.uint8) for _ in range(64)]
-    reads = [_segment(endpoint, i // 16, (i % 16) * chunk, d) for i, d in enumerate(dests)]
+    reads = [segment_for(endpoint, i // 16, (i % 16) * chunk, d) for i, d in enumerate(dests)]
     try:
         assert client.read(1, reads) == [None] * 64  # warm: endpoint, pages, protocols
         idle_rate = max(_count_for(0.3) for _ in range(3))  # this host is shared: best of 3

@@ -30,12 +30,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple, TypeVar
 
 import kvfabric
-from kvfabric.buffers import copy_into
+from kvfabric import PutOutcome, Store
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ConfigError, KvfabricError, PluginUnavailableError
 from kvfabric.keys import fold_key, namespace_bytes
 from kvfabric.options import parse_url
-from kvfabric.store import PutOutcome, Store
+from kvfabric.spi.buffers import copy_into
 
 # lmcache ships no type information (and is absent where only the linters run): its names
 # are Any to mypy either way.

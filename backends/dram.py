@@ -14,10 +14,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from kvfabric import hookimpl
-from kvfabric.backend import Backend, BackendConfig, MemoryKind, Region, new_rkey
 from kvfabric.errors import ConfigError, PluginUnavailableError
-from kvfabric.plugins import Registry
+from kvfabric.spi import hookimpl
+from kvfabric.spi.backend import Backend, BackendConfig, MemoryKind, Region, new_rkey
+from kvfabric.spi.plugins import Registry
 
 __all__ = ["DramBackend"]
 

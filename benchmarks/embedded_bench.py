@@ -20,7 +20,7 @@ import numpy as np
 
 import kvfabric
 from kvfabric.keys import chain_keys
-from kvfabric.record import checksum
+from kvfabric.spi.record import checksum
 
 
 def _median(fn: Callable[[], object], repeat: int) -> float:

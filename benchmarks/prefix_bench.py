@@ -1,6 +1,6 @@
 """kvfabric against memcpy, a raw socket and Redis: ``python benchmarks/prefix_bench.py``.
 
-The same as ``kvfabric bench`` (see kvfabric.bench for what is measured); arguments pass
+The same as ``kvfabric bench`` (see kvfabric._tools.bench for what is measured); arguments pass
 through, e.g. ``--sizes 4MiB --repeat 9 --no-redis``.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from kvfabric.cli import main
+from kvfabric._tools.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main(["bench", *sys.argv[1:]]))

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from kvfabric.spi.transport import NodeEndpoint, Segment, TransportClient, TransportConfig
 from kvfabric.testing import RegionServer
-from kvfabric.transport import NodeEndpoint, Segment, TransportClient, TransportConfig
 from kvfabric.transports.tcp import TcpTransport
 
 _REQUEST = struct.Struct("<QQ")  # count, size; (0, 0) ends the floor server

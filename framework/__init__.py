@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
-from kvfabric.aio import AsyncStore
+from kvfabric._client.aio import AsyncStore
+from kvfabric._client.store import PutOutcome, Store
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import (
     ConfigError,
@@ -27,11 +28,9 @@ from kvfabric.errors import (
     ValidationError,
     ValueTooLargeError,
 )
-from kvfabric.hookspecs import hookimpl
 from kvfabric.keys import KEY_SIZE, ROOT_KEY, chain_key, chain_keys, fold_key
 from kvfabric.options import EmbeddedOptions, RemoteOptions, options_dict, parse_url
-from kvfabric.plugins import PluginManager, plugin_manager
-from kvfabric.store import PutOutcome, Store
+from kvfabric.spi.plugins import PluginManager, plugin_manager
 
 __version__ = "0.1.0"
 
@@ -62,7 +61,6 @@ __all__ = [
     "connect",
     "connect_async",
     "fold_key",
-    "hookimpl",
 ]
 
 
@@ -79,11 +77,11 @@ def connect(url: str = "embedded://", *, plugins: PluginManager | None = None) -
         kwargs={"config": {"url": url, **options_dict(parsed.options)}}
     )
     if isinstance(parsed.options, EmbeddedOptions):
-        from kvfabric.embedded import open_embedded
+        from kvfabric._client.embedded import open_embedded
 
         return open_embedded(parsed.options, parsed.host, plugins)
     if isinstance(parsed.options, RemoteOptions):
-        from kvfabric.remote import open_remote
+        from kvfabric._client.remote import open_remote
 
         assert parsed.port is not None
         return open_remote(parsed.options, parsed.host, parsed.port, plugins)

@@ -15,7 +15,7 @@ from urllib.parse import parse_qsl, urlsplit
 import attrs
 
 from kvfabric.errors import ConfigError
-from kvfabric.units import parse_duration, parse_size
+from kvfabric.spi.units import parse_duration, parse_size
 
 __all__ = [
     "SCHEMES",

@@ -15,12 +15,12 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from kvfabric import hookimpl
-from kvfabric.backend import MemoryKind, Region
-from kvfabric.buffers import copy_into
 from kvfabric.errors import NotSupportedError, TransportError
-from kvfabric.plugins import Registry
-from kvfabric.transport import (
+from kvfabric.spi import hookimpl
+from kvfabric.spi.backend import MemoryKind, Region
+from kvfabric.spi.buffers import copy_into
+from kvfabric.spi.plugins import Registry
+from kvfabric.spi.transport import (
     Capabilities,
     NodeEndpoint,
     RegionHandle,

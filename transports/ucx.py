@@ -31,13 +31,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvfabric import hookimpl
-from kvfabric.backend import MemoryKind, Region
-from kvfabric.buffers import address_of, byte_view
-from kvfabric.counters import Counters
 from kvfabric.errors import PluginUnavailableError, TransportError, TransportTimeoutError
-from kvfabric.plugins import Registry
-from kvfabric.transport import (
+from kvfabric.spi import hookimpl
+from kvfabric.spi.backend import MemoryKind, Region
+from kvfabric.spi.buffers import address_of, byte_view
+from kvfabric.spi.counters import Counters
+from kvfabric.spi.plugins import Registry
+from kvfabric.spi.transport import (
     Capabilities,
     NodeEndpoint,
     RegionHandle,

@@ -17,7 +17,7 @@ Subclass a mixin in your test module and override its fixtures::
 Every test asserts an outcome (bytes, counts, errors); none asserts a timing.
 """
 
-from kvfabric.testing.cluster import Cluster, free_port
+from kvfabric._tools.cluster import Cluster, free_port
 from kvfabric.testing.hooks import corrupt_payload, resolve_descriptor
 from kvfabric.testing.store_suite import StoreConformance
 from kvfabric.testing.transport_suite import (

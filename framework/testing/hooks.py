@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from kvfabric._client.store import Store
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import TransportError
-from kvfabric.record import HEADER_SIZE
-from kvfabric.store import Store
-from kvfabric.transport import Segment
+from kvfabric.spi.record import HEADER_SIZE
+from kvfabric.spi.transport import Segment
 
 __all__ = ["corrupt_payload", "resolve_descriptor"]
 

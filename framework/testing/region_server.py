@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvfabric.backend import BackendConfig
-from kvfabric.node import DataNode
-from kvfabric.transport import TransportConfig
-from kvfabric.units import parse_size
+from kvfabric._node.node import DataNode
+from kvfabric.spi.backend import BackendConfig
+from kvfabric.spi.transport import TransportConfig
+from kvfabric.spi.units import parse_size
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,11 +14,11 @@ import attrs
 import numpy as np
 import pytest
 
-from kvfabric.backend import MemoryKind
 from kvfabric.errors import TransportError
-from kvfabric.index import NodeInfo
-from kvfabric.plugins import plugin_manager
-from kvfabric.transport import (
+from kvfabric.spi.backend import MemoryKind
+from kvfabric.spi.index import NodeInfo
+from kvfabric.spi.plugins import plugin_manager
+from kvfabric.spi.transport import (
     Capabilities,
     NodeEndpoint,
     Segment,

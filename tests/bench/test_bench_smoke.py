@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from kvfabric.bench import run_bench
+from kvfabric._tools.bench import run_bench
 
 
 def test_bench_measures_floors_kvfabric_over_both_transports_and_redis() -> None:

@@ -15,8 +15,8 @@ import zmq
 
 import kvfabric
 from kvfabric import PutOutcome
+from kvfabric._wire.protocol import MAGIC, PROTOCOL_VERSION, MsgType, decode_header, encode
 from kvfabric.keys import chain_keys
-from kvfabric.protocol import MAGIC, PROTOCOL_VERSION, MsgType, decode_header, encode
 from kvfabric.testing import Cluster, free_port
 
 
@@ -160,7 +160,7 @@ def test_stats_command_prints_index_and_node_counters(cluster: Cluster) -> None:
         store.batched_put(keys, [b"x" * 1000] * 5)
         store.batched_contains(keys)
     result = subprocess.run(
-        [sys.executable, "-m", "kvfabric.cli", "stats", "--controller", cluster.endpoint],
+        [sys.executable, "-m", "kvfabric", "stats", "--controller", cluster.endpoint],
         capture_output=True,
         text=True,
         timeout=30,
@@ -200,7 +200,7 @@ def test_stats_are_available_as_prometheus_text_and_json(cluster: Cluster) -> No
         keys = _keys(3)
         store.batched_put(keys, [b"y" * 10] * 3)
         store.batched_put(keys, [b"y" * 10] * 3)  # three dedup hits
-    base = [sys.executable, "-m", "kvfabric.cli", "stats", "--controller", cluster.endpoint]
+    base = [sys.executable, "-m", "kvfabric", "stats", "--controller", cluster.endpoint]
     prom = subprocess.run([*base, "--format", "prometheus"], capture_output=True, text=True)
     assert prom.returncode == 0, prom.stderr
     metrics = dict(line.rsplit(" ", 1) for line in prom.stdout.splitlines())

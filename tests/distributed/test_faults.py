@@ -186,7 +186,7 @@ def test_serve_runs_controller_and_node_in_one_process() -> None:
         [
             sys.executable,
             "-m",
-            "kvfabric.cli",
+            "kvfabric._tools.cli",
             "serve",
             "--listen",
             f"tcp://127.0.0.1:{port}",

@@ -18,9 +18,10 @@ from typing import Any
 import attrs
 import pytest
 
-from kvfabric.backend import BackendConfig
+from kvfabric._node.node import DataNode
 from kvfabric.errors import TransportError, TransportTimeoutError
-from kvfabric.node import DataNode
+from kvfabric.spi.backend import BackendConfig
+from kvfabric.spi.transport import NodeEndpoint, Segment, TransportConfig
 from kvfabric.testing import (
     RegionServer,
     StoreConformance,
@@ -29,7 +30,6 @@ from kvfabric.testing import (
     round_trip_works,
     segment_for,
 )
-from kvfabric.transport import NodeEndpoint, Segment, TransportConfig
 from kvfabric.transports.tcp import TcpTransport
 
 _MIB = 1 << 20

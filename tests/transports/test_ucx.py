@@ -26,10 +26,11 @@ import pytest
 
 import kvfabric
 from kvfabric import PutOutcome
-from kvfabric.codec import Writer
 from kvfabric.errors import PluginUnavailableError, TransportError, TransportTimeoutError
 from kvfabric.keys import chain_keys
-from kvfabric.plugins import plugin_manager
+from kvfabric.spi.codec import Writer
+from kvfabric.spi.plugins import plugin_manager
+from kvfabric.spi.transport import NodeEndpoint, Segment, TransportConfig
 from kvfabric.testing import (
     Cluster,
     RegionServer,
@@ -39,7 +40,6 @@ from kvfabric.testing import (
     round_trip_works,
     segment_for,
 )
-from kvfabric.transport import NodeEndpoint, Segment, TransportConfig
 
 _MIB = 1 << 20
 TLS = os.environ.get("UCX_TLS", "")
@@ -289,9 +289,9 @@ def test_refused_segments_never_reach_the_node_and_it_keeps_serving(
 
 _READER = """
 import sys
-from kvfabric.codec import Reader
-from kvfabric.plugins import plugin_manager
-from kvfabric.transport import NodeEndpoint, Segment, TransportConfig
+from kvfabric.spi.codec import Reader
+from kvfabric.spi.plugins import plugin_manager
+from kvfabric.spi.transport import NodeEndpoint, Segment, TransportConfig
 
 endpoint = NodeEndpoint.read_from(Reader(bytes.fromhex(sys.argv[1])))
 count, chunk = int(sys.argv[2]), int(sys.argv[3])
@@ -432,7 +432,7 @@ _HINT = "pip install 'kvfabric[ucx]'"
 
 def test_selecting_ucx_without_its_library_gives_the_install_hint() -> None:
     missing = {"KVFABRIC_UCX_LIB": "/nonexistent/libucp.so.0"}
-    listed = _run("from kvfabric.cli import main; raise SystemExit(main(['plugins']))", **missing)
+    listed = _run("from kvfabric._tools.cli import main; main(['plugins'])", **missing)
     assert listed.returncode == 0
     row = next(line for line in listed.stdout.splitlines() if " ucx " in f" {line} ")
     assert "unavailable" in row
@@ -458,7 +458,7 @@ def test_selecting_ucx_without_its_library_gives_the_install_hint() -> None:
 
 def test_kvfabric_node_without_ucx_says_how_to_install_it() -> None:
     node = subprocess.run(
-        [sys.executable, "-m", "kvfabric.cli", "node", "--transport", "ucx,tcp"],
+        [sys.executable, "-m", "kvfabric", "node", "--transport", "ucx,tcp"],
         env={**os.environ, "KVFABRIC_UCX_LIB": "/nonexistent/libucp.so.0"},
         capture_output=True,
         text=True,
@@ -475,7 +475,7 @@ def test_selecting_ucx_without_cffi_gives_the_install_hint() -> None:
         import sys
         sys.modules["cffi"] = None  # as if it were not installed
         from kvfabric.errors import PluginUnavailableError
-        from kvfabric.plugins import plugin_manager
+        from kvfabric.spi.plugins import plugin_manager
         import kvfabric.transports.ucx  # imports without its native dependencies
         try:
             plugin_manager().transport("ucx")

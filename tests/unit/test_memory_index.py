@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvfabric.index import AllocationKind, AllocationRequest, GrantRef, NodeInfo, RegionInfo
+from kvfabric.indexes.memory import MemoryIndex
 from kvfabric.keys import fold_key
-from kvfabric.memory_index import MemoryIndex
-from kvfabric.record import record_size
+from kvfabric.spi.index import AllocationKind, AllocationRequest, GrantRef, NodeInfo, RegionInfo
+from kvfabric.spi.record import record_size
 
 
 class Clock:

@@ -7,7 +7,7 @@ import pytest
 import kvfabric
 from kvfabric.errors import ConfigError
 from kvfabric.options import EmbeddedOptions, parse_url
-from kvfabric.units import format_size, parse_duration, parse_size
+from kvfabric.spi.units import format_size, parse_duration, parse_size
 
 
 def test_embedded_url_options_are_parsed_and_typed() -> None:

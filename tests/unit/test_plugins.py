@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from kvfabric.plugins import PluginManager, installed_plugins
+from kvfabric.spi.plugins import PluginManager, installed_plugins
 
 _PLUGIN_MODULE = textwrap.dedent(
     '''
     """A third-party transport: the shm transport under another name."""
-    from kvfabric import hookimpl
+    from kvfabric.spi import hookimpl
     from kvfabric.transports.shm import ShmTransport
 
 
@@ -127,7 +127,7 @@ def test_plugin_that_cannot_import_gives_a_clear_error(plugin_dir: Path) -> None
 def test_cli_lists_third_party_plugins(plugin_dir: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(plugin_dir)}
     result = subprocess.run(
-        [sys.executable, "-m", "kvfabric.cli", "plugins"],
+        [sys.executable, "-m", "kvfabric", "plugins"],
         env=env,
         capture_output=True,
         text=True,

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import threading
 
+from kvfabric._client.prefetch import PrefetchCache
 from kvfabric.descriptor import Descriptor
 from kvfabric.keys import fold_key
-from kvfabric.prefetch import PrefetchCache
 
 
 class Clock:

@@ -32,7 +32,7 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
 
 def test_demo_runs_and_reports_one_rpc_per_lookup_and_no_wrong_values() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "kvfabric.cli", "demo", "--sessions", "3", "--turns", "2"],
+        [sys.executable, "-m", "kvfabric", "demo", "--sessions", "3", "--turns", "2"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -49,7 +49,7 @@ def test_demo_runs_and_reports_one_rpc_per_lookup_and_no_wrong_values() -> None:
 
 def test_cli_reports_errors_without_a_traceback() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "kvfabric.cli", "demo", "--url", "embedded://?capcity=1"],
+        [sys.executable, "-m", "kvfabric", "demo", "--url", "embedded://?capcity=1"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -4,7 +4,7 @@ import pytest
 
 from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
 from kvfabric.errors import ProtocolError, ValidationError
-from kvfabric.record import (
+from kvfabric.spi.record import (
     HEADER_SIZE,
     SLOT_ALIGN,
     Failure,

@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 
 import kvfabric
-from kvfabric import PutOutcome, hookimpl
+from kvfabric import PutOutcome
 from kvfabric.errors import ConfigError
 from kvfabric.keys import chain_keys
-from kvfabric.plugins import PluginManager
-from kvfabric.record import record_size
+from kvfabric.spi import hookimpl
+from kvfabric.spi.plugins import PluginManager
+from kvfabric.spi.record import record_size
 
 
 def _name() -> str:

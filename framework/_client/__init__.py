@@ -1,0 +1,1 @@
+"""Client internals: Store, AsyncStore, record I/O, prefetch cache, embedded and remote wiring."""

@@ -1,0 +1,103 @@
+"""``embedded://[NAME]``: index, one data node and clients in the caller's process.
+
+The default for the demo and for unit tests: no sockets. The node's memory is real
+shareable memory and the client reads it through a real transport (``shm`` unless told
+otherwise), so embedded mode runs the same read, validation and dedup paths as a
+distributed deployment. Clients connecting with the same NAME share one index and node.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import attrs
+
+from kvfabric._client.dataplane import DataPlane
+from kvfabric._client.store import Store
+from kvfabric._node.node import DataNode
+from kvfabric.errors import ConfigError
+from kvfabric.indexes.memory import MemoryIndex
+from kvfabric.options import EmbeddedOptions
+from kvfabric.spi.backend import BackendConfig
+from kvfabric.spi.plugins import PluginManager
+from kvfabric.spi.transport import TransportConfig
+
+__all__ = ["open_embedded"]
+
+# Options that shape the shared services rather than one client.
+_SERVICE_OPTIONS = ("capacity", "backend", "region_size", "lease", "grace", "headroom", "transport")
+
+
+@attrs.define
+class _Services:
+    index: MemoryIndex
+    node: DataNode
+    options: tuple[object, ...]
+    clients: int = 0
+
+
+_shared: dict[str, _Services] = {}
+_shared_lock = threading.Lock()
+
+
+def open_embedded(options: EmbeddedOptions, name: str, plugins: PluginManager) -> Store:
+    transport_name = options.transport or "shm"
+    transport_cls = plugins.transport(transport_name)
+    config = TransportConfig(timeout=options.timeout)
+    service_options = tuple(getattr(options, o) for o in _SERVICE_OPTIONS)
+    with _shared_lock:
+        services = _shared.get(name) if name else None
+        if services is None:
+            services = _start(options, transport_name, config, plugins, service_options)
+            if name:
+                _shared[name] = services
+        elif services.options != service_options:
+            raise ConfigError(
+                f"embedded://{name} is already open with other "
+                f"{'/'.join(_SERVICE_OPTIONS)}; connect with the same ones"
+            )
+        services.clients += 1
+    try:
+        data = DataPlane({transport_name: transport_cls.create_client(config)}, [transport_name])
+        return Store(
+            index=services.index,
+            data=data,
+            options=options,
+            plugins=plugins,
+            on_close=[lambda: _release(name, services)],
+            local_node=services.node,
+        )
+    except BaseException:
+        _release(name, services)
+        raise
+
+
+def _start(
+    options: EmbeddedOptions,
+    transport_name: str,
+    config: TransportConfig,
+    plugins: PluginManager,
+    service_options: tuple[object, ...],
+) -> _Services:
+    node = DataNode.create(
+        backend=options.backend,
+        transports=[transport_name],
+        backend_config=BackendConfig(
+            capacity=options.capacity, region_size=min(options.region_size, options.capacity)
+        ),
+        transport_config=config,
+        plugins=plugins,
+    )
+    index = MemoryIndex(lease=options.lease, grace=options.grace, headroom=options.headroom)
+    index.register_node(node.info())
+    return _Services(index=index, node=node, options=service_options)
+
+
+def _release(name: str, services: _Services) -> None:
+    with _shared_lock:
+        services.clients -= 1
+        if services.clients > 0:
+            return
+        if name and _shared.get(name) is services:
+            del _shared[name]
+    services.node.close()

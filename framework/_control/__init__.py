@@ -1,0 +1,1 @@
+"""Control-plane internals: the controller, its client, the index served remotely, secrets."""

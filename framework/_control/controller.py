@@ -1,0 +1,259 @@
+"""The controller: the index behind a ZeroMQ ROUTER socket.
+
+It owns the index and the slot maps of every data node, never payload bytes. Each request
+is decoded, served from the in-memory index (microseconds per key, so inline in the loop),
+and answered; any frame it cannot serve gets an ERROR reply and the loop goes on. Data nodes
+register and heartbeat; a node silent for ``node_timeout`` is dropped with all its entries.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from kvfabric._control.security import Credentials
+from kvfabric._wire import protocol as p
+from kvfabric._wire.protocol import REPLY_BIT, ErrorCode, MsgType
+from kvfabric.errors import ProtocolError
+from kvfabric.indexes.memory import MemoryIndex
+from kvfabric.spi.codec import Reader, Writer
+from kvfabric.spi.index import NodeInfo
+
+__all__ = ["Controller"]
+
+log = logging.getLogger("kvfabric._control.controller")
+
+# Requests that serve clients' lookups and writes: what "control RPCs" counts.
+_CLIENT_TYPES = frozenset(
+    {
+        MsgType.NODES,
+        MsgType.LOOKUP_PREFIX,
+        MsgType.RESOLVE,
+        MsgType.EXISTS,
+        MsgType.ALLOCATE,
+        MsgType.PUBLISH,
+        MsgType.ABORT,
+        MsgType.UNPUBLISH,
+    }
+)
+
+
+class _Refusal(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Controller:
+    def __init__(
+        self,
+        *,
+        listen: str,
+        index: MemoryIndex,
+        node_timeout: float = 3.0,
+        tick: float = 0.25,
+        credentials: Credentials | None = None,
+    ) -> None:
+        self.listen = listen
+        self.index = index
+        self.node_timeout = node_timeout
+        self.tick = tick
+        self.epoch = secrets.randbits(63) | 1
+        self.endpoint = ""
+        self._credentials = credentials
+        self._last_seen: dict[int, float] = {}
+        self._node_stats: dict[int, dict[str, int]] = {}
+        self._counters: Counter[str] = Counter()
+        self._stopping = threading.Event()
+        self._handlers: dict[int, Callable[[Reader], bytes]] = {
+            MsgType.NODES: self._nodes,
+            MsgType.LOOKUP_PREFIX: self._lookup_prefix,
+            MsgType.RESOLVE: self._resolve,
+            MsgType.EXISTS: self._exists,
+            MsgType.ALLOCATE: self._allocate,
+            MsgType.PUBLISH: self._publish,
+            MsgType.ABORT: self._abort,
+            MsgType.UNPUBLISH: self._unpublish,
+            MsgType.STATS: self._stats,
+            MsgType.REGISTER_NODE: self._register_node,
+            MsgType.HEARTBEAT: self._heartbeat,
+        }
+
+    # -- serving ---------------------------------------------------------------------------
+
+    def serve(self, ready: Callable[[str], None] | None = None) -> None:
+        """Serve until :meth:`stop` is called (from any thread or a signal handler)."""
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        authenticator = None
+        sock = context.socket(zmq.ROUTER)
+        sock.linger = 0
+        try:
+            if self._credentials is not None:
+                authenticator = self._start_authenticator(context)
+                self._credentials.secure_server(sock)
+            sock.bind(self.listen)
+            self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            log.info("controller listening on %s (epoch %x)", self.endpoint, self.epoch)
+            if ready is not None:
+                ready(self.endpoint)
+            self._loop(sock)
+        finally:
+            sock.close(linger=0)
+            if authenticator is not None:
+                authenticator.stop()
+            context.term()
+
+    def _loop(self, sock: zmq.Socket[bytes]) -> None:
+        # A plain poll loop, not asyncio: measured here, an asyncio ROUTER adds ~40 us to
+        # every round trip (100 us vs 58 us for a 2 KiB echo), and lookups are the hot path.
+        next_tick = time.monotonic() + self.tick
+        while not self._stopping.is_set():
+            timeout = max(0, int((next_tick - time.monotonic()) * 1000))
+            # Drain what is queued without raising zmq.Again (an exception costs more than
+            # a flags check), then poll again.
+            if sock.poll(timeout, zmq.POLLIN):
+                while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                    reply = self._reply_to(frames)
+                    if reply is not None:
+                        sock.send_multipart([frames[0], reply])
+            if time.monotonic() >= next_tick:
+                self._maintain()
+                next_tick = time.monotonic() + self.tick
+
+    def _start_authenticator(self, context: zmq.Context[zmq.Socket[bytes]]) -> Any:
+        from zmq.auth.thread import ThreadAuthenticator
+
+        assert self._credentials is not None
+        allowed = self._credentials.client_public
+
+        class _SharedSecret:
+            def callback(self, domain: str, key: bytes) -> bool:
+                return key == allowed
+
+        authenticator = ThreadAuthenticator(context)
+        authenticator.start()
+        authenticator.configure_curve_callback("*", credentials_provider=_SharedSecret())
+        return authenticator
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def _reply_to(self, frames: list[bytes]) -> bytes | None:
+        if len(frames) != 2:
+            # A DEALER sends one frame; ROUTER adds the identity. Anything else is not ours,
+            # and without a well-formed envelope there is no one to answer.
+            self._counters["bad_frames"] += 1
+            return None
+        frame = frames[1]
+        request_id = 0
+        try:
+            header, reader = p.decode_header(frame)
+            request_id = header.request_id
+            handler = self._handlers.get(header.type)
+            if handler is None:
+                raise _Refusal(ErrorCode.UNKNOWN_TYPE, f"unknown message type {header.type}")
+            body = handler(reader)
+            reader.end()
+            self._counters["rpcs" if header.type in _CLIENT_TYPES else "node_rpcs"] += 1
+            self._counters[f"rpc_{MsgType(header.type).name.lower()}"] += 1
+            return p.encode(header.type | REPLY_BIT, request_id, body, self.epoch)
+        except _Refusal as exc:
+            self._counters["refused"] += 1
+            return self._error(request_id, exc.code, str(exc))
+        except ProtocolError as exc:
+            self._counters["bad_frames"] += 1
+            code = ErrorCode.BAD_VERSION if "version" in str(exc) else ErrorCode.BAD_FRAME
+            return self._error(request_id, code, str(exc))
+        except Exception as exc:  # one bad request must never stop the controller
+            log.exception("controller: internal error serving a request")
+            self._counters["internal_errors"] += 1
+            return self._error(request_id, ErrorCode.INTERNAL, f"internal error: {exc}")
+
+    def _error(self, request_id: int, code: ErrorCode, message: str) -> bytes:
+        return p.encode(MsgType.ERROR, request_id, p.write_error(code, message), self.epoch)
+
+    def _maintain(self) -> None:
+        self.index.tick()
+        now = time.monotonic()
+        for node, seen in list(self._last_seen.items()):
+            if now - seen > self.node_timeout:
+                dropped = self.index.remove_node(node)
+                del self._last_seen[node]
+                self._node_stats.pop(node, None)
+                self._counters["nodes_dropped"] += 1
+                log.warning(
+                    "node %d missed heartbeats for %.1fs: dropped with %d entries",
+                    node,
+                    now - seen,
+                    dropped,
+                )
+
+    # -- handlers --------------------------------------------------------------------------
+
+    def _nodes(self, r: Reader) -> bytes:
+        return p.write_nodes(self.index.nodes())
+
+    def _lookup_prefix(self, r: Reader) -> bytes:
+        return p.write_descriptors(self.index.lookup_prefix(p.read_keys(r)))
+
+    def _resolve(self, r: Reader) -> bytes:
+        return p.write_optional_descriptors(self.index.resolve(p.read_keys(r)))
+
+    def _exists(self, r: Reader) -> bytes:
+        return p.write_flags(self.index.exists(p.read_keys(r)))
+
+    def _allocate(self, r: Reader) -> bytes:
+        return p.write_allocate_result(self.index.allocate(p.read_allocation_requests(r)))
+
+    def _publish(self, r: Reader) -> bytes:
+        return p.write_flags(self.index.publish(p.read_grants(r)))
+
+    def _abort(self, r: Reader) -> bytes:
+        self.index.abort(p.read_grants(r))
+        return b""
+
+    def _unpublish(self, r: Reader) -> bytes:
+        return Writer().u32(self.index.unpublish(p.read_keys(r))).getvalue()
+
+    def _register_node(self, r: Reader) -> bytes:
+        info = self.index.register_node(NodeInfo.read_from(r))
+        self._last_seen[info.id] = time.monotonic()
+        log.info("node %d (%s) registered: %d regions", info.id, info.name, len(info.regions))
+        return info.to_bytes()
+
+    def _heartbeat(self, r: Reader) -> bytes:
+        node = r.u32()
+        counters = p.read_counters(r)
+        if node not in self._last_seen:
+            raise _Refusal(ErrorCode.UNKNOWN_NODE, f"node {node} is not registered")
+        self._last_seen[node] = time.monotonic()
+        self._node_stats[node] = counters
+        return b""
+
+    def _stats(self, r: Reader) -> bytes:
+        scopes: dict[str, dict[str, int]] = {
+            "controller": {
+                "rpcs": 0,
+                "node_rpcs": 0,
+                "bad_frames": 0,
+                "refused": 0,
+                **self._counters,
+            },
+            "index": self.index.stats(),
+        }
+        names = {n.id: n.name for n in self.index.nodes()}
+        for node, counters in sorted(self._node_stats.items()):
+            scopes[f"node {node} {names.get(node, '?')}"] = counters
+        w = Writer().u32(len(scopes))
+        for scope, counters in scopes.items():
+            w.text(scope)
+            w.raw(p.write_counters(counters).getvalue())
+        return w.getvalue()

@@ -1,0 +1,77 @@
+"""An :class:`~kvfabric.index.Index` served by a controller process, one round trip per call."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvfabric._control.client import ControlClient
+from kvfabric._wire import protocol as p
+from kvfabric._wire.protocol import MsgType
+from kvfabric.descriptor import Descriptor
+from kvfabric.spi.index import AllocateResult, AllocationRequest, GrantRef, NodeInfo
+
+__all__ = ["RemoteIndex", "fetch_stats"]
+
+
+class RemoteIndex:
+    def __init__(self, client: ControlClient) -> None:
+        self.client = client
+
+    def nodes(self) -> list[NodeInfo]:
+        r = self.client.call(MsgType.NODES)
+        nodes = p.read_nodes(r)
+        r.end()
+        return nodes
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> list[Descriptor]:
+        r = self.client.call(MsgType.LOOKUP_PREFIX, p.write_keys(keys))
+        found = p.read_descriptors(r)
+        r.end()
+        return found
+
+    def resolve(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
+        r = self.client.call(MsgType.RESOLVE, p.write_keys(keys))
+        found = p.read_optional_descriptors(r)
+        r.end()
+        return found
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        r = self.client.call(MsgType.EXISTS, p.write_keys(keys))
+        flags = p.read_flags(r)
+        r.end()
+        return flags
+
+    def allocate(self, requests: Sequence[AllocationRequest]) -> AllocateResult:
+        r = self.client.call(MsgType.ALLOCATE, p.write_allocation_requests(requests))
+        result = p.read_allocate_result(r)
+        r.end()
+        return result
+
+    def publish(self, grants: Sequence[GrantRef]) -> list[bool]:
+        r = self.client.call(MsgType.PUBLISH, p.write_grants(grants))
+        flags = p.read_flags(r)
+        r.end()
+        return flags
+
+    def abort(self, grants: Sequence[GrantRef]) -> None:
+        self.client.call(MsgType.ABORT, p.write_grants(grants)).end()
+
+    def unpublish(self, keys: Sequence[bytes]) -> int:
+        r = self.client.call(MsgType.UNPUBLISH, p.write_keys(keys))
+        removed = r.u32()
+        r.end()
+        return removed
+
+    def stats(self) -> dict[str, int]:
+        return fetch_stats(self.client)["index"]
+
+
+def fetch_stats(client: ControlClient) -> dict[str, dict[str, int]]:
+    """Every scope of counters the controller reports: "controller", "index", "node N ..."."""
+    r = client.call(MsgType.STATS)
+    scopes = {}
+    for _ in range(r.count(8, 1 << 16)):
+        scope = r.text()
+        scopes[scope] = p.read_counters(r)
+    r.end()
+    return scopes

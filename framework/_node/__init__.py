@@ -1,0 +1,1 @@
+"""Data-node internals: a backend's regions served by transports; the registering agent."""

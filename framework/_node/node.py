@@ -1,0 +1,111 @@
+"""The data node: a backend's regions, registered with every transport it serves.
+
+It owns memory and nothing else: the index decides what goes where, clients move the bytes.
+On one-sided transports the node does nothing per read or write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Sequence
+
+from kvfabric.errors import NotSupportedError
+from kvfabric.spi.backend import Backend, BackendConfig
+from kvfabric.spi.index import NodeInfo, RegionInfo
+from kvfabric.spi.plugins import PluginManager, plugin_manager
+from kvfabric.spi.transport import NodeEndpoint, RegionHandle, TransportConfig, TransportServer
+
+__all__ = ["DataNode"]
+
+
+class DataNode:
+    def __init__(
+        self,
+        backend: Backend,
+        servers: dict[str, TransportServer],
+        *,
+        name: str | None = None,
+    ) -> None:
+        self.name = name or uuid.uuid4().hex
+        self.backend = backend
+        self.servers = servers
+        self.handles: dict[str, tuple[RegionHandle, ...]] = {
+            transport: tuple(server.register(r) for r in backend.regions())
+            for transport, server in servers.items()
+        }
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        backend: str,
+        transports: Sequence[str],
+        backend_config: BackendConfig,
+        transport_config: TransportConfig,
+        name: str | None = None,
+        plugins: PluginManager | None = None,
+    ) -> DataNode:
+        """Build a node from plugin names, checking capabilities before starting anything."""
+        plugins = plugins or plugin_manager()
+        backend_cls = plugins.backend(backend)
+        transport_classes = {t: plugins.transport(t) for t in transports}
+        for tname, tcls in transport_classes.items():
+            kinds = tcls.capabilities.memory_kinds
+            if backend_cls.memory_kind not in kinds:
+                raise NotSupportedError(
+                    f"transport {tname!r} cannot register {backend_cls.memory_kind.value} "
+                    f"memory (backend {backend!r}); it supports "
+                    f"{', '.join(sorted(k.value for k in kinds))}"
+                )
+            if tcls.capabilities.local_only and not backend_cls.shareable:
+                raise NotSupportedError(
+                    f"transport {tname!r} maps memory from another process, but backend "
+                    f"{backend!r} does not give shareable regions"
+                )
+        store = backend_cls(backend_config)
+        servers: dict[str, TransportServer] = {}
+        try:
+            for tname, tcls in transport_classes.items():
+                servers[tname] = tcls.create_server(transport_config)
+            return cls(store, servers, name=name)
+        except BaseException:
+            for server in servers.values():
+                server.close()
+            store.close()
+            raise
+
+    def info(self) -> NodeInfo:
+        """What the index needs to know of this node (``id`` is assigned by the index)."""
+        return NodeInfo(
+            name=self.name,
+            regions=tuple(
+                RegionInfo(id=r.id, size=r.size, rkey=r.rkey) for r in self.backend.regions()
+            ),
+            endpoints=tuple(
+                NodeEndpoint(
+                    node=0,
+                    transport=transport,
+                    address=server.address,
+                    regions=self.handles[transport],
+                )
+                for transport, server in self.servers.items()
+            ),
+        )
+
+    def stats(self) -> dict[str, int]:
+        """Capacity and every transport server's counters, prefixed with its name."""
+        counters = {
+            "capacity_bytes": sum(r.size for r in self.backend.regions()),
+            "regions": len(self.backend.regions()),
+        }
+        for transport, server in self.servers.items():
+            for name, value in server.stats().items():
+                counters[f"{transport}_{name}"] = value
+        return counters
+
+    def close(self) -> None:
+        for server in self.servers.values():
+            with contextlib.suppress(Exception):
+                server.close()
+        self.backend.close()

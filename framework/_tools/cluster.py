@@ -1,0 +1,222 @@
+"""A real kvfabric deployment on 127.0.0.1 for tests: controller and data-node processes.
+
+``Cluster`` starts ``kvfabric controller`` and ``kvfabric node`` as child processes (the
+same commands an operator runs), waits until every node is registered, and can kill, stop,
+continue or restart any of them, so fault tests exercise the real processes and sockets.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
+
+from kvfabric._control.client import ControlClient
+from kvfabric._control.remote_index import RemoteIndex, fetch_stats
+from kvfabric._control.security import Credentials
+from kvfabric.errors import ControllerUnavailableError
+
+__all__ = ["Cluster", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Process:
+    def __init__(self, args: list[str], log: Path, env: dict[str, str], ready: str) -> None:
+        self.args = args
+        self.log_path = log
+        self._log: IO[bytes] = open(log, "ab")  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "kvfabric", *args],
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+        )
+        assert self.popen.stdout is not None
+        line = self.popen.stdout.readline().decode()
+        if ready not in line:
+            self.popen.kill()
+            self.popen.wait()
+            raise RuntimeError(f"{' '.join(args)} did not start:\n{log.read_text()[-3000:]}")
+        self.ready_line = line.strip()
+
+    def signal(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+
+    def stop(self, timeout: float = 10) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+        self._log.close()
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait()
+
+
+class Cluster:
+    """A controller plus ``nodes`` data nodes; ``url`` is what clients connect to."""
+
+    def __init__(
+        self,
+        *,
+        nodes: int = 1,
+        transports: Sequence[str] = ("tcp", "shm"),
+        capacity: str = "256MiB",
+        controller_args: Sequence[str] = (),
+        node_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        secret: bytes | None = None,
+    ) -> None:
+        self.port = free_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.transports = list(transports)
+        self.capacity = capacity
+        self.controller_args = list(controller_args)
+        self.node_args = list(node_args)
+        self.secret = secret
+        self.env = {**os.environ, **(env or {})}
+        if secret is not None:
+            self.env["KVFABRIC_SECRET"] = secret.decode()
+        self._dir = tempfile.TemporaryDirectory(prefix="kvfabric-cluster-")
+        self.logs = Path(self._dir.name)
+        self.controller: _Process | None = None
+        self.nodes: list[_Process | None] = []
+        self.start_controller()
+        for _ in range(nodes):
+            self.add_node()
+        self.wait_nodes(nodes)
+
+    def url(self, **options: str) -> str:
+        query = "&".join(f"{k}={v}" for k, v in options.items())
+        return f"kvfabric://127.0.0.1:{self.port}" + (f"?{query}" if query else "")
+
+    # -- processes ---------------------------------------------------------------------
+
+    def start_controller(self) -> None:
+        args = ["controller", "--listen", self.endpoint, "--node-timeout", "2s"]
+        self.controller = _Process(
+            args + self.controller_args,
+            self.logs / "controller.log",
+            self.env,
+            "listening on",
+        )
+
+    def add_node(self) -> int:
+        index = len(self.nodes)
+        self.nodes.append(None)
+        self.start_node(index)
+        return index
+
+    def start_node(self, index: int) -> None:
+        args = [
+            "node",
+            "--controller",
+            self.endpoint,
+            "--transport",
+            ",".join(self.transports),
+            "--capacity",
+            self.capacity,
+            "--region-size",
+            self.capacity,
+            "--heartbeat",
+            "0.25s",
+            "--name",
+            f"node{index}",
+            *self.node_args,
+        ]
+        self.nodes[index] = _Process(args, self.logs / f"node{index}.log", self.env, "serving")
+
+    def kill_node(self, index: int) -> None:
+        node = self.nodes[index]
+        assert node is not None
+        node.kill()
+        node.stop()
+        self.nodes[index] = None
+
+    def signal_node(self, index: int, sig: int) -> None:
+        node = self.nodes[index]
+        assert node is not None
+        node.signal(sig)
+
+    def node_pid(self, index: int) -> int:
+        node = self.nodes[index]
+        assert node is not None
+        return node.popen.pid
+
+    def kill_controller(self) -> None:
+        assert self.controller is not None
+        self.controller.kill()
+        self.controller.stop()
+        self.controller = None
+
+    # -- state -------------------------------------------------------------------------
+
+    def _client(self) -> ControlClient:
+        credentials = Credentials.from_secret(self.secret) if self.secret else None
+        return ControlClient(self.endpoint, timeout=2.0, credentials=credentials)
+
+    def node_names(self) -> list[str]:
+        client = self._client()
+        try:
+            return sorted(n.name for n in RemoteIndex(client).nodes())
+        except ControllerUnavailableError:
+            return []
+        finally:
+            client.close()
+
+    def wait_nodes(self, count: int, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self.node_names()) == count:
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"{count} nodes did not register: {self.node_names()}\n{self.tail()}")
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        client = self._client()
+        try:
+            return fetch_stats(client)
+        finally:
+            client.close()
+
+    def tail(self) -> str:
+        return "\n".join(
+            f"--- {log.name}\n{log.read_text()[-2000:]}" for log in sorted(self.logs.glob("*.log"))
+        )
+
+    def close(self) -> None:
+        for index, node in enumerate(self.nodes):
+            if node is not None:
+                node.signal(signal.SIGCONT)
+                node.stop()
+                self.nodes[index] = None
+        if self.controller is not None:
+            self.controller.stop()
+            self.controller = None
+        self._dir.cleanup()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

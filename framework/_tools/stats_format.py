@@ -1,0 +1,83 @@
+"""Render the controller's counters: a table for people, Prometheus text or JSON for machines.
+
+The controller reports scopes of counters: ``controller`` (its RPCs and refusals), ``index``
+(capacity, entries, hits, dedup, evictions, ...) and one ``node ID NAME`` scope per data node
+(capacity and each transport server's counters).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+
+from kvfabric.spi.units import format_size
+
+__all__ = ["FORMATS", "format_json", "format_prometheus", "format_table"]
+
+Scopes = dict[str, dict[str, int]]
+
+_SUMMARY = (
+    ("capacity", "capacity_bytes"),
+    ("used", "used_bytes"),
+    ("entries", "entries"),
+    ("hits", "prefix_hits"),
+    ("lookup keys", "lookup_keys"),
+    ("dedup", "dedup_hits"),
+    ("evictions", "evictions"),
+    ("rpcs", "rpcs"),
+)
+
+
+def format_table(scopes: Scopes) -> str:
+    """A summary line, then every counter of every scope."""
+    index, controller = scopes.get("index", {}), scopes.get("controller", {})
+    merged = {**index, **controller}
+    summary = ", ".join(
+        f"{label} {format_size(merged[key]) if key.endswith('_bytes') else merged[key]}"
+        for label, key in _SUMMARY
+        if key in merged
+    )
+    hits, asked = index.get("prefix_hits", 0), index.get("lookup_keys", 0)
+    if asked:
+        summary += f", hit rate {hits / asked:.0%}"
+    rows = [("scope", "counter", "value")]
+    for scope, counters in scopes.items():
+        for name, value in counters.items():
+            shown = format_size(value) if name.endswith("_bytes") else str(value)
+            rows.append((scope, name, shown))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["kvfabric: " + summary]
+    for row in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    return "\n".join(lines)
+
+
+_NODE_SCOPE = re.compile(r"^node (\d+) (.*)$")
+_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def format_prometheus(scopes: Scopes) -> str:
+    """Prometheus text exposition: ``kvfabric_<scope>_<counter>``, nodes labelled by id/name."""
+    lines: list[str] = []
+    for scope, counters in scopes.items():
+        node = _NODE_SCOPE.match(scope)
+        prefix = "kvfabric_node" if node else f"kvfabric_{_UNSAFE.sub('_', scope)}"
+        labels = ""
+        if node:
+            name = node.group(2).replace("\\", "\\\\").replace('"', '\\"')
+            labels = f'{{node="{node.group(1)}",name="{name}"}}'
+        for counter, value in counters.items():
+            lines.append(f"{prefix}_{_UNSAFE.sub('_', counter)}{labels} {value}")
+    return "\n".join(lines)
+
+
+def format_json(scopes: Scopes) -> str:
+    return json.dumps(scopes, indent=2, sort_keys=True)
+
+
+FORMATS: dict[str, Callable[[Scopes], str]] = {
+    "table": format_table,
+    "prometheus": format_prometheus,
+    "json": format_json,
+}

@@ -1,0 +1,1 @@
+"""Wire formats of the control plane (private: plugins never see them)."""

@@ -1,0 +1,242 @@
+"""The control protocol between clients, data nodes and the controller.
+
+Every message is one ZeroMQ frame: a fixed 24-byte header, then a type-specific body in
+fixed-layout fields (``struct``; never pickle)::
+
+    header  magic "KVFC" | version u16 | type u16 | request id u64 | epoch u64
+    keys    count u32 | count x 32-byte key
+    descs   count u32 | count x 76-byte descriptor
+
+A reply carries the request's type with :data:`REPLY_BIT` set, the request's id, and the
+controller's *epoch* — a random number drawn when the controller starts, so a client can
+tell that the controller restarted (its node ids and descriptors are then stale). A request
+the controller cannot serve gets an ``ERROR`` reply with a code and a message; the
+controller never drops a well-addressed frame silently and never stops serving because of
+one.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+
+import attrs
+
+from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
+from kvfabric.errors import ProtocolError
+from kvfabric.keys import KEY_SIZE
+from kvfabric.spi.codec import Reader, Writer
+from kvfabric.spi.index import (
+    AllocateResult,
+    Allocation,
+    AllocationKind,
+    AllocationRequest,
+    GrantRef,
+    NodeInfo,
+)
+
+__all__ = [
+    "HEADER",
+    "MAGIC",
+    "MAX_BATCH",
+    "PROTOCOL_VERSION",
+    "REPLY_BIT",
+    "ErrorCode",
+    "Header",
+    "MsgType",
+    "decode_header",
+    "encode",
+]
+
+MAGIC = b"KVFC"
+PROTOCOL_VERSION = 1
+REPLY_BIT = 0x8000
+MAX_BATCH = 1 << 20
+HEADER = struct.Struct("<4sHHQQ")
+
+
+class MsgType(enum.IntEnum):
+    NODES = 1
+    LOOKUP_PREFIX = 2
+    RESOLVE = 3
+    EXISTS = 4
+    ALLOCATE = 5
+    PUBLISH = 6
+    ABORT = 7
+    UNPUBLISH = 8
+    STATS = 9
+    REGISTER_NODE = 10
+    HEARTBEAT = 11
+    ERROR = 0x7FFF
+
+
+class ErrorCode(enum.IntEnum):
+    BAD_FRAME = 1
+    UNKNOWN_TYPE = 2
+    BAD_VERSION = 3
+    UNKNOWN_NODE = 4
+    INTERNAL = 5
+
+
+@attrs.frozen
+class Header:
+    type: int
+    request_id: int
+    epoch: int = 0
+
+
+def encode(msg_type: int, request_id: int, body: bytes = b"", epoch: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, request_id, epoch) + body
+
+
+def decode_header(frame: bytes) -> tuple[Header, Reader]:
+    """Parse the header; raise ProtocolError for anything that is not a kvfabric frame."""
+    if len(frame) < HEADER.size:
+        raise ProtocolError(f"frame of {len(frame)} bytes is shorter than the header")
+    magic, version, msg_type, request_id, epoch = HEADER.unpack_from(frame)
+    if magic != MAGIC:
+        raise ProtocolError("bad magic: not a kvfabric control frame")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version}; this side speaks {PROTOCOL_VERSION}")
+    return Header(msg_type, request_id, epoch), Reader(frame, HEADER.size)
+
+
+# -- bodies --------------------------------------------------------------------------------
+
+
+def write_keys(keys: Sequence[bytes]) -> bytes:
+    return struct.pack("<I", len(keys)) + b"".join(keys)
+
+
+def read_keys(r: Reader) -> list[bytes]:
+    n = r.count(KEY_SIZE, MAX_BATCH)
+    raw = r.raw(n * KEY_SIZE)
+    return [raw[i * KEY_SIZE : (i + 1) * KEY_SIZE] for i in range(n)]
+
+
+def write_descriptors(descriptors: Sequence[Descriptor]) -> bytes:
+    return struct.pack("<I", len(descriptors)) + b"".join(d.to_bytes() for d in descriptors)
+
+
+def read_descriptors(r: Reader) -> list[Descriptor]:
+    n = r.count(DESCRIPTOR_SIZE, MAX_BATCH)
+    return Descriptor.many_from_bytes(r.raw(n * DESCRIPTOR_SIZE))
+
+
+def write_optional_descriptors(descriptors: Sequence[Descriptor | None]) -> bytes:
+    w = Writer().u32(len(descriptors))
+    for d in descriptors:
+        if d is None:
+            w.u8(0)
+        else:
+            w.u8(1).raw(d.to_bytes())
+    return w.getvalue()
+
+
+def read_optional_descriptors(r: Reader) -> list[Descriptor | None]:
+    n = r.count(1, MAX_BATCH)
+    out: list[Descriptor | None] = []
+    for _ in range(n):
+        out.append(Descriptor.from_bytes(r.raw(DESCRIPTOR_SIZE)) if r.u8() else None)
+    return out
+
+
+def write_flags(flags: Sequence[bool]) -> bytes:
+    return struct.pack("<I", len(flags)) + bytes(1 if f else 0 for f in flags)
+
+
+def read_flags(r: Reader) -> list[bool]:
+    n = r.count(1, MAX_BATCH)
+    return [b != 0 for b in r.raw(n)]
+
+
+_ALLOC_REQUEST = struct.Struct("<32sQ")
+
+
+def write_allocation_requests(requests: Sequence[AllocationRequest]) -> bytes:
+    return struct.pack("<I", len(requests)) + b"".join(
+        _ALLOC_REQUEST.pack(q.key, q.length) for q in requests
+    )
+
+
+def read_allocation_requests(r: Reader) -> list[AllocationRequest]:
+    n = r.count(_ALLOC_REQUEST.size, MAX_BATCH)
+    raw = r.raw(n * _ALLOC_REQUEST.size)
+    out = []
+    for key, length in _ALLOC_REQUEST.iter_unpack(raw):
+        out.append(AllocationRequest(key=key, length=length))
+    return out
+
+
+def write_allocate_result(result: AllocateResult) -> bytes:
+    w = Writer().u32(result.evictions).u32(len(result.allocations))
+    for a in result.allocations:
+        w.u8(a.kind.value)
+        if a.descriptor is not None:
+            w.raw(a.descriptor.to_bytes())
+    return w.getvalue()
+
+
+_WITH_DESCRIPTOR = (AllocationKind.GRANTED, AllocationKind.EXISTS)
+
+
+def read_allocate_result(r: Reader) -> AllocateResult:
+    evictions = r.u32()
+    n = r.count(1, MAX_BATCH)
+    allocations = []
+    for _ in range(n):
+        try:
+            kind = AllocationKind(r.u8())
+        except ValueError as exc:
+            raise ProtocolError(f"unknown allocation kind: {exc}") from None
+        descriptor = (
+            Descriptor.from_bytes(r.raw(DESCRIPTOR_SIZE)) if kind in _WITH_DESCRIPTOR else None
+        )
+        allocations.append(Allocation(kind=kind, descriptor=descriptor))
+    return AllocateResult(allocations=tuple(allocations), evictions=evictions)
+
+
+_GRANT = struct.Struct("<32sQI")
+
+
+def write_grants(grants: Sequence[GrantRef]) -> bytes:
+    return struct.pack("<I", len(grants)) + b"".join(
+        _GRANT.pack(g.key, g.version, g.crc) for g in grants
+    )
+
+
+def read_grants(r: Reader) -> list[GrantRef]:
+    n = r.count(_GRANT.size, MAX_BATCH)
+    raw = r.raw(n * _GRANT.size)
+    return [GrantRef(key=k, version=v, crc=c) for k, v, c in _GRANT.iter_unpack(raw)]
+
+
+def write_nodes(nodes: Sequence[NodeInfo]) -> bytes:
+    w = Writer().u32(len(nodes))
+    for node in nodes:
+        node.write_to(w)
+    return w.getvalue()
+
+
+def read_nodes(r: Reader) -> list[NodeInfo]:
+    return [NodeInfo.read_from(r) for _ in range(r.count(16, 1 << 16))]
+
+
+def write_counters(counters: dict[str, int]) -> Writer:
+    w = Writer().u32(len(counters))
+    for name, value in counters.items():
+        w.text(name).u64(max(int(value), 0))
+    return w
+
+
+def read_counters(r: Reader) -> dict[str, int]:
+    return {r.text(256): r.u64() for _ in range(r.count(12, 4096))}
+
+
+def write_error(code: ErrorCode, message: str) -> bytes:
+    return Writer().u32(code).text(message[:1000]).getvalue()
+
+
+def read_error(r: Reader) -> tuple[int, str]:
+    return r.u32(), r.text()

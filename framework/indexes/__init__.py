@@ -1,0 +1,1 @@
+"""Index plugins (entry-point group ``kvfabric.indexes``); ``memory`` is the built-in."""

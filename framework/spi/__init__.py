@@ -1,0 +1,121 @@
+"""The plugin interface: the one module transports, backends and indexes import.
+
+A plugin imports ``kvfabric.spi`` (and the public ``kvfabric`` API: errors, keys,
+descriptor) and nothing else; ruff enforces this for the built-in plugins. Here are the hook
+specifications and registries, the ``Transport``, ``Backend`` and ``Index`` base classes,
+the values that cross them, and the helpers a plugin needs (buffers, counters, wire codec,
+record format, slot allocator, sizes and durations).
+"""
+
+from __future__ import annotations
+
+from kvfabric.spi.backend import Backend, BackendConfig, MemoryKind, Region, new_rkey
+from kvfabric.spi.buffers import GIL_FREE_COPY_MIN, address_of, byte_view, copy_into, writable_view
+from kvfabric.spi.codec import Reader, Writer
+from kvfabric.spi.counters import CLIENT_COUNTERS, Counters
+from kvfabric.spi.hooks import hookimpl, hookspec
+from kvfabric.spi.index import (
+    AllocateResult,
+    Allocation,
+    AllocationKind,
+    AllocationRequest,
+    GrantRef,
+    Index,
+    NodeInfo,
+    NodeRegistry,
+    RegionInfo,
+)
+from kvfabric.spi.plugins import (
+    GROUPS,
+    InstalledPlugin,
+    PluginManager,
+    Registry,
+    installed_plugins,
+    plugin_manager,
+)
+from kvfabric.spi.record import (
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    MAGIC,
+    SLOT_ALIGN,
+    Failure,
+    RecordHeader,
+    checksum,
+    checksum_pieces,
+    pack_header,
+    parse_header,
+    record_size,
+    validate_record,
+)
+from kvfabric.spi.slots import SlotAllocator
+from kvfabric.spi.transport import (
+    Capabilities,
+    NodeEndpoint,
+    RegionHandle,
+    Segment,
+    Transport,
+    TransportClient,
+    TransportConfig,
+    TransportServer,
+    check_segment_bounds,
+)
+from kvfabric.spi.units import format_size, parse_duration, parse_size
+
+__all__ = [
+    "CLIENT_COUNTERS",
+    "FORMAT_VERSION",
+    "GIL_FREE_COPY_MIN",
+    "GROUPS",
+    "HEADER_SIZE",
+    "MAGIC",
+    "SLOT_ALIGN",
+    "AllocateResult",
+    "Allocation",
+    "AllocationKind",
+    "AllocationRequest",
+    "Backend",
+    "BackendConfig",
+    "Capabilities",
+    "Counters",
+    "Failure",
+    "GrantRef",
+    "Index",
+    "InstalledPlugin",
+    "MemoryKind",
+    "NodeEndpoint",
+    "NodeInfo",
+    "NodeRegistry",
+    "PluginManager",
+    "Reader",
+    "RecordHeader",
+    "Region",
+    "RegionHandle",
+    "RegionInfo",
+    "Registry",
+    "Segment",
+    "SlotAllocator",
+    "Transport",
+    "TransportClient",
+    "TransportConfig",
+    "TransportServer",
+    "Writer",
+    "address_of",
+    "byte_view",
+    "check_segment_bounds",
+    "checksum",
+    "checksum_pieces",
+    "copy_into",
+    "format_size",
+    "hookimpl",
+    "hookspec",
+    "installed_plugins",
+    "new_rkey",
+    "pack_header",
+    "parse_duration",
+    "parse_header",
+    "parse_size",
+    "plugin_manager",
+    "record_size",
+    "validate_record",
+    "writable_view",
+]

@@ -1,0 +1,203 @@
+"""The transport plug point: moving bytes between a client buffer and a remote region.
+
+A transport has a server side (on the data node: ``register(region) -> RegionHandle``) and a
+client side (batched: ``read(node, segments)`` / ``write(node, segments)``). It declares
+what it can do as data on the class, before any instance exists, so the framework can refuse
+an impossible configuration up front with :class:`~kvfabric.errors.NotSupportedError`.
+
+The client API is synchronous and batched: one call moves a whole batch for one node and
+must release the GIL while bytes move (sockets, ``ctypes.memmove``, native completion
+waits). The store issues the calls for different nodes concurrently and the async API runs
+them off the event loop, so a transport never needs its own event loop.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
+
+import attrs
+
+from kvfabric.errors import TransportError
+from kvfabric.spi.backend import MemoryKind, Region
+from kvfabric.spi.codec import Reader, Writer
+
+__all__ = [
+    "Capabilities",
+    "NodeEndpoint",
+    "RegionHandle",
+    "Segment",
+    "Transport",
+    "TransportClient",
+    "TransportConfig",
+    "TransportServer",
+    "check_segment_bounds",
+]
+
+
+@attrs.frozen(kw_only=True)
+class Capabilities:
+    one_sided: bool
+    """Reads and writes complete without the data node's CPU (False: the node emulates them)."""
+    local_only: bool
+    """Only a client on the data node's host can use it."""
+    memory_kinds: frozenset[MemoryKind]
+    """Kinds of memory the server side can register."""
+
+
+@attrs.frozen(kw_only=True)
+class RegionHandle:
+    """A region as registered with one transport: what a client needs to address it."""
+
+    region: int
+    rkey: int
+    size: int
+    info: bytes = b""
+    """Transport-specific (a path to map, a packed remote key, ...)."""
+
+    def write_to(self, w: Writer) -> None:
+        w.u32(self.region).u64(self.rkey).u64(self.size).blob(self.info)
+
+    @classmethod
+    def read_from(cls, r: Reader) -> RegionHandle:
+        return cls(region=r.u32(), rkey=r.u64(), size=r.u64(), info=r.blob(1 << 16))
+
+
+@attrs.frozen(kw_only=True)
+class NodeEndpoint:
+    """How a client reaches one data node over one transport."""
+
+    node: int
+    transport: str
+    address: bytes
+    regions: tuple[RegionHandle, ...]
+
+    def write_to(self, w: Writer) -> None:
+        w.u32(self.node).text(self.transport).blob(self.address).u32(len(self.regions))
+        for handle in self.regions:
+            handle.write_to(w)
+
+    @classmethod
+    def read_from(cls, r: Reader) -> NodeEndpoint:
+        node, transport, address = r.u32(), r.text(), r.blob(1 << 16)
+        regions = tuple(RegionHandle.read_from(r) for _ in range(r.count(24, 1 << 16)))
+        return cls(node=node, transport=transport, address=address, regions=regions)
+
+
+class Segment:
+    """One contiguous transfer: ``len(buffer)`` bytes at ``offset`` in a region.
+
+    For a read, ``buffer`` is the writable destination; for a write, the source.
+    """
+
+    __slots__ = ("buffer", "offset", "region", "rkey")
+
+    def __init__(self, region: int, rkey: int, offset: int, buffer: memoryview) -> None:
+        self.region = region
+        self.rkey = rkey
+        self.offset = offset
+        self.buffer = buffer
+
+    def __repr__(self) -> str:
+        return f"Segment(region={self.region}, offset={self.offset}, length={self.buffer.nbytes})"
+
+
+@attrs.frozen(kw_only=True)
+class TransportConfig:
+    host: str = "127.0.0.1"
+    """Address the server side binds (and advertises, unless ``advertise`` is set)."""
+    advertise: str | None = None
+    """Host clients should use to reach this server, when it differs from ``host``."""
+    port: int = 0
+    timeout: float = 2.0
+    """Bound on one batched call; a node that does not answer in time is a miss."""
+    token: bytes = b""
+    """Shared secret a server may require of its clients."""
+    options: Mapping[str, str] = attrs.field(factory=dict)
+
+
+class TransportServer(abc.ABC):
+    """The data-node side of a transport."""
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> bytes:
+        """What clients need to reach this server (opaque to the framework)."""
+
+    @abc.abstractmethod
+    def register(self, region: Region) -> RegionHandle:
+        """Expose a region; only requests carrying its rkey may touch it."""
+
+    def stats(self) -> dict[str, int]:
+        """Counters of work this server did (requests served, bytes, refusals)."""
+        return {}
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class TransportClient(abc.ABC):
+    """The client side of a transport; thread-safe."""
+
+    @abc.abstractmethod
+    def connect(self, endpoint: NodeEndpoint) -> None:
+        """Prepare to talk to a node (idempotent; called again when a node re-registers)."""
+
+    def reachable(self, endpoint: NodeEndpoint) -> bool:
+        """Whether this client could use ``endpoint`` (e.g. same host for local transports)."""
+        return True
+
+    @abc.abstractmethod
+    def read(self, node: int, segments: Sequence[Segment]) -> list[TransportError | None]:
+        """Land every segment in its buffer; one entry per segment, ``None`` when it landed.
+
+        Raises :class:`TransportError` (or :class:`TransportTimeoutError`) when the node as a
+        whole cannot be used; returns an error per segment the node refused.
+        """
+
+    @abc.abstractmethod
+    def write(self, node: int, segments: Sequence[Segment]) -> list[TransportError | None]:
+        """Store every segment's buffer; same contract as :meth:`read`."""
+
+    def disconnect(self, node: int) -> None:
+        """Forget a node (it left or died)."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class Transport(abc.ABC):
+    """A transport plugin: capabilities as data, and factories for both sides."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    install_hint: ClassVar[str] = ""
+
+    @classmethod
+    def check_available(cls) -> None:
+        """Raise :class:`~kvfabric.errors.PluginUnavailableError` if a dependency is missing.
+
+        Native libraries are imported here or later, never at module import.
+        """
+
+    @classmethod
+    @abc.abstractmethod
+    def create_server(cls, config: TransportConfig) -> TransportServer: ...
+
+    @classmethod
+    @abc.abstractmethod
+    def create_client(cls, config: TransportConfig) -> TransportClient: ...
+
+
+def check_segment_bounds(segment: Segment, handle: RegionHandle) -> TransportError | None:
+    """The shared bounds and rkey check every server (or local client) applies."""
+    if segment.rkey != handle.rkey:
+        return TransportError(f"bad rkey for region {segment.region}")
+    end = segment.offset + segment.buffer.nbytes
+    if segment.offset < 0 or end > handle.size:
+        return TransportError(
+            f"segment [{segment.offset}, {end}) outside region {segment.region} "
+            f"of {handle.size} bytes"
+        )
+    return None

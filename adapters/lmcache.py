@@ -35,7 +35,7 @@ from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ConfigError, KvfabricError, PluginUnavailableError
 from kvfabric.keys import fold_key, namespace_bytes
 from kvfabric.options import parse_url
-from kvfabric.spi.buffers import copy_into
+from kvfabric.spi import copy_into
 
 # lmcache ships no type information (and is absent where only the linters run): its names
 # are Any to mypy either way.

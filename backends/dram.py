@@ -12,12 +12,9 @@ import contextlib
 import mmap
 import os
 from collections.abc import Sequence
-from typing import Any
 
 from kvfabric.errors import ConfigError, PluginUnavailableError
-from kvfabric.spi import hookimpl
-from kvfabric.spi.backend import Backend, BackendConfig, MemoryKind, Region, new_rkey
-from kvfabric.spi.plugins import Registry
+from kvfabric.spi import Backend, BackendConfig, MemoryKind, Region, Registry, hookimpl, new_rkey
 
 __all__ = ["DramBackend"]
 
@@ -86,5 +83,5 @@ class DramBackend(Backend):
 
 
 @hookimpl
-def kvfabric_register_backends(registry: Registry[Any]) -> None:
+def kvfabric_register_backends(registry: Registry[Backend]) -> None:
     registry.add(DramBackend.name, DramBackend)

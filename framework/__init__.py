@@ -73,9 +73,7 @@ def connect(url: str = "embedded://", *, plugins: PluginManager | None = None) -
     """
     parsed = parse_url(url)
     plugins = plugins or plugin_manager()
-    plugins.pm.hook.kvfabric_configure.call_historic(
-        kwargs={"config": {"url": url, **options_dict(parsed.options)}}
-    )
+    plugins.pm.hook.kvfabric_configure(config={"url": url, **options_dict(parsed.options)})
     if isinstance(parsed.options, EmbeddedOptions):
         from kvfabric._client.embedded import open_embedded
 

@@ -65,6 +65,8 @@ class ClientOptions:
     max_value: int = 1 << 30
     transport: str | None = None
     """Force one transport by name instead of the best one each node offers."""
+    plugin_options: Mapping[str, Mapping[str, str]] = attrs.field(factory=dict)
+    """``NAME.OPTION=VALUE`` query parameters, by plugin name; each plugin parses its own."""
 
 
 @attrs.frozen(kw_only=True)
@@ -77,6 +79,7 @@ class EmbeddedOptions(ClientOptions):
 
     capacity: int = 256 << 20
     backend: str = "dram"
+    index: str = "memory"
     region_size: int = 1 << 30
     lease: float = 30.0
     grace: float = 2.0
@@ -103,6 +106,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "transport": _name,
     "capacity": parse_size,
     "backend": _name,
+    "index": _name,
     "region_size": parse_size,
     "lease": parse_duration,
     "grace": parse_duration,
@@ -154,11 +158,24 @@ def _port(url: str) -> int | None:
 
 
 def _parse_query(scheme: str, query: str, options_cls: type[ClientOptions]) -> dict[str, Any]:
-    accepted = [f.name for f in attrs.fields(options_cls)]
+    accepted = [f.name for f in attrs.fields(options_cls) if f.name != "plugin_options"]
     values: dict[str, Any] = {}
+    plugin_options: dict[str, dict[str, str]] = {}
     for name, raw in parse_qsl(query, keep_blank_values=True, strict_parsing=False):
+        plugin, dot, option = name.partition(".")
+        if dot:
+            # Addressed to a plugin (``tcp.pool=4``): checked by that plugin when selected.
+            if not plugin or not option:
+                raise ConfigError(f"plugin options look like PLUGIN.OPTION=VALUE, got {name!r}")
+            if option in plugin_options.setdefault(plugin, {}):
+                raise ConfigError(f"option {name!r} given twice")
+            plugin_options[plugin][option] = raw
+            continue
         if name not in accepted:
-            message = f"unknown option {name!r} for {scheme}://; accepted: {', '.join(accepted)}"
+            message = (
+                f"unknown option {name!r} for {scheme}://; accepted: {', '.join(accepted)}, "
+                "and PLUGIN.OPTION for a plugin's own options"
+            )
             close = difflib.get_close_matches(name, accepted, n=1)
             if close:
                 message += f"; did you mean {close[0]!r}?"
@@ -169,6 +186,8 @@ def _parse_query(scheme: str, query: str, options_cls: type[ClientOptions]) -> d
             values[name] = _PARSERS[name](raw)
         except ConfigError as exc:
             raise ConfigError(f"option {name!r}: {exc}") from None
+    if plugin_options:
+        values["plugin_options"] = plugin_options
     return values
 
 

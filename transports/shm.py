@@ -13,23 +13,23 @@ import os
 import struct
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 from kvfabric.errors import NotSupportedError, TransportError
-from kvfabric.spi import hookimpl
-from kvfabric.spi.backend import MemoryKind, Region
-from kvfabric.spi.buffers import copy_into
-from kvfabric.spi.plugins import Registry
-from kvfabric.spi.transport import (
+from kvfabric.spi import (
     Capabilities,
+    MemoryKind,
     NodeEndpoint,
+    Region,
     RegionHandle,
+    Registry,
     Segment,
     Transport,
     TransportClient,
     TransportConfig,
     TransportServer,
     check_segment_bounds,
+    copy_into,
+    hookimpl,
 )
 
 __all__ = ["ShmTransport"]
@@ -199,6 +199,8 @@ def _unmap(mapped: _Mapped) -> None:
 
 class ShmTransport(Transport):
     name = "shm"
+    # Same host only, and one-sided: the best choice wherever it reaches.
+    preference = 30
     capabilities = Capabilities(
         one_sided=True,
         local_only=True,
@@ -215,5 +217,5 @@ class ShmTransport(Transport):
 
 
 @hookimpl
-def kvfabric_register_transports(registry: Registry[Any]) -> None:
+def kvfabric_register_transports(registry: Registry[Transport]) -> None:
     registry.add(ShmTransport.name, ShmTransport)

@@ -49,22 +49,25 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from kvfabric.errors import ConfigError, ProtocolError, TransportError, TransportTimeoutError
-from kvfabric.spi import hookimpl
-from kvfabric.spi.backend import MemoryKind, Region
-from kvfabric.spi.buffers import byte_view
-from kvfabric.spi.counters import Counters
-from kvfabric.spi.plugins import Registry
-from kvfabric.spi.transport import (
+from kvfabric.errors import ProtocolError, TransportError, TransportTimeoutError
+from kvfabric.spi import (
     Capabilities,
+    Counters,
+    MemoryKind,
     NodeEndpoint,
+    OptionSpec,
+    Region,
     RegionHandle,
+    Registry,
     Segment,
     Transport,
     TransportClient,
     TransportConfig,
     TransportServer,
+    byte_view,
     check_segment_bounds,
+    hookimpl,
+    parse_duration,
 )
 
 __all__ = ["TcpTransport"]
@@ -228,20 +231,14 @@ def _tune(sock: socket.socket) -> None:
 # -- server -------------------------------------------------------------------------------
 
 
-def _option(config: TransportConfig, name: str, default: float) -> float:
-    try:
-        return float(config.options.get(name, default))
-    except ValueError:
-        raise ConfigError(f"tcp option {name} must be a number: {config.options}") from None
-
-
 class _TcpServer(TransportServer):
     def __init__(self, config: TransportConfig) -> None:
         self._token = config.token
         # Bounds on what one peer can hold: a thread per connection, so a cap on them; and a
         # frame once started must keep arriving, so a half-sent one cannot pin a thread.
-        self._max_connections = int(_option(config, "max_connections", 1024))
-        self._frame_timeout = _option(config, "frame_timeout", 30.0)
+        options = TcpTransport.parse_options(config.options)
+        self._max_connections = int(options["max_connections"])
+        self._frame_timeout = float(options["frame_timeout"])
         self._regions: dict[int, tuple[RegionHandle, memoryview]] = {}
         self._counters = Counters(_SERVER_COUNTERS)
         self._lock = threading.Lock()
@@ -600,10 +597,7 @@ class _TcpClient(TransportClient):
     def __init__(self, config: TransportConfig) -> None:
         self._timeout = config.timeout
         self._token = config.token
-        try:
-            self._pool_size = int(config.options.get("pool", "8"))
-        except ValueError:
-            raise ConfigError(f"tcp option pool must be an integer: {config.options}") from None
+        self._pool_size = int(TcpTransport.parse_options(config.options)["pool"])
         self._peers: dict[int, _Peer] = {}
         self._lock = threading.Lock()
 
@@ -721,6 +715,23 @@ def _boundary_error(node: int, peer: _Peer, exc: BaseException, timeout: float) 
 
 class TcpTransport(Transport):
     name = "tcp"
+    # Any host; the fallback where no one-sided transport reaches.
+    preference = 20
+    options = (
+        OptionSpec(name="pool", parse=int, default=8, help="idle connections kept per node"),
+        OptionSpec(
+            name="max_connections",
+            parse=int,
+            default=1024,
+            help="connections the node serves at once (a thread each)",
+        ),
+        OptionSpec(
+            name="frame_timeout",
+            parse=parse_duration,
+            default=30.0,
+            help="a frame, once started, must arrive within this",
+        ),
+    )
     capabilities = Capabilities(
         one_sided=False,
         local_only=False,
@@ -737,5 +748,5 @@ class TcpTransport(Transport):
 
 
 @hookimpl
-def kvfabric_register_transports(registry: Registry[Any]) -> None:
+def kvfabric_register_transports(registry: Registry[Transport]) -> None:
     registry.add(TcpTransport.name, TcpTransport)

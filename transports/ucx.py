@@ -32,21 +32,23 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvfabric.errors import PluginUnavailableError, TransportError, TransportTimeoutError
-from kvfabric.spi import hookimpl
-from kvfabric.spi.backend import MemoryKind, Region
-from kvfabric.spi.buffers import address_of, byte_view
-from kvfabric.spi.counters import Counters
-from kvfabric.spi.plugins import Registry
-from kvfabric.spi.transport import (
+from kvfabric.spi import (
     Capabilities,
+    Counters,
+    MemoryKind,
     NodeEndpoint,
+    Region,
     RegionHandle,
+    Registry,
     Segment,
     Transport,
     TransportClient,
     TransportConfig,
     TransportServer,
+    address_of,
+    byte_view,
     check_segment_bounds,
+    hookimpl,
 )
 from kvfabric.transports import _ucp
 
@@ -587,6 +589,10 @@ def _plan(
 
 class UcxTransport(Transport):
     name = "ucx"
+    # Behind tcp: a client cannot tell whether UCX would use RDMA or emulate RMA over TCP
+    # for a node, and emulated UCX is slower than kvfabric's tcp and exposed to a UCX bug that
+    # can abort the node when a client dies (docs/ucx.md). On RDMA, force it: ?transport=ucx.
+    preference = 10
     # One-sided with UCX_TLS=sm (CMA) and with RDMA; with UCX_TLS=tcp UCX emulates RMA with
     # the node's progress thread (see docs/ucx.md).
     capabilities = Capabilities(
@@ -610,5 +616,5 @@ class UcxTransport(Transport):
 
 
 @hookimpl
-def kvfabric_register_transports(registry: Registry[Any]) -> None:
+def kvfabric_register_transports(registry: Registry[Transport]) -> None:
     registry.add(UcxTransport.name, UcxTransport)

@@ -16,21 +16,32 @@ from kvfabric._client.dataplane import DataPlane
 from kvfabric._client.store import Store
 from kvfabric._node.node import DataNode
 from kvfabric.errors import ConfigError
-from kvfabric.indexes.memory import MemoryIndex
 from kvfabric.options import EmbeddedOptions
 from kvfabric.spi.backend import BackendConfig
+from kvfabric.spi.index import IndexConfig, IndexPlugin
+from kvfabric.spi.options import PluginOptions
 from kvfabric.spi.plugins import PluginManager
 from kvfabric.spi.transport import TransportConfig
 
 __all__ = ["open_embedded"]
 
 # Options that shape the shared services rather than one client.
-_SERVICE_OPTIONS = ("capacity", "backend", "region_size", "lease", "grace", "headroom", "transport")
+_SERVICE_OPTIONS = (
+    "capacity",
+    "backend",
+    "index",
+    "region_size",
+    "lease",
+    "grace",
+    "headroom",
+    "transport",
+    "plugin_options",
+)
 
 
 @attrs.define
 class _Services:
-    index: MemoryIndex
+    index: IndexPlugin
     node: DataNode
     options: tuple[object, ...]
     clients: int = 0
@@ -43,12 +54,13 @@ _shared_lock = threading.Lock()
 def open_embedded(options: EmbeddedOptions, name: str, plugins: PluginManager) -> Store:
     transport_name = options.transport or "shm"
     transport_cls = plugins.transport(transport_name)
-    config = TransportConfig(timeout=options.timeout)
+    settings = PluginOptions(options.plugin_options)
+    config = TransportConfig(timeout=options.timeout, options=settings.claim(transport_cls))
     service_options = tuple(getattr(options, o) for o in _SERVICE_OPTIONS)
     with _shared_lock:
         services = _shared.get(name) if name else None
         if services is None:
-            services = _start(options, transport_name, config, plugins, service_options)
+            services = _start(options, transport_name, config, plugins, settings, service_options)
             if name:
                 _shared[name] = services
         elif services.options != service_options:
@@ -77,8 +89,16 @@ def _start(
     transport_name: str,
     config: TransportConfig,
     plugins: PluginManager,
+    settings: PluginOptions,
     service_options: tuple[object, ...],
 ) -> _Services:
+    index_cls = plugins.index(options.index)
+    index_config = IndexConfig(
+        lease=options.lease,
+        grace=options.grace,
+        headroom=options.headroom,
+        options=settings.claim(index_cls),
+    )
     node = DataNode.create(
         backend=options.backend,
         transports=[transport_name],
@@ -87,9 +107,14 @@ def _start(
         ),
         transport_config=config,
         plugins=plugins,
+        plugin_options=settings,
     )
-    index = MemoryIndex(lease=options.lease, grace=options.grace, headroom=options.headroom)
-    index.register_node(node.info())
+    try:
+        index = index_cls.create(index_config)
+        index.register_node(node.info())
+    except BaseException:
+        node.close()
+        raise
     return _Services(index=index, node=node, options=service_options)
 
 
@@ -100,4 +125,5 @@ def _release(name: str, services: _Services) -> None:
             return
         if name and _shared.get(name) is services:
             del _shared[name]
+    services.index.close()
     services.node.close()

@@ -1,13 +1,16 @@
 """``kvfabric://HOST:PORT``: a client of a controller and its data nodes.
 
 Metadata goes to the controller (one round trip per batched call); bytes go straight to the
-data nodes, each over the best transport both sides have: ``shm`` when the node is on this
-host, else the next one in preference order. ``?transport=NAME`` forces one.
+data nodes, each over the most preferred transport both sides have that can reach it (each
+transport declares its ``preference``: ``shm`` on the same host, else ``tcp``, then ``ucx``).
+``?transport=NAME`` forces one.
 """
 
 from __future__ import annotations
 
 import logging
+
+import attrs
 
 from kvfabric._client.dataplane import DataPlane
 from kvfabric._client.store import Store
@@ -16,20 +19,13 @@ from kvfabric._control.remote_index import RemoteIndex
 from kvfabric._control.security import Credentials, load_secret
 from kvfabric.errors import KvfabricError
 from kvfabric.options import RemoteOptions
-from kvfabric.spi.plugins import PluginManager, installed_plugins
-from kvfabric.spi.transport import TransportClient, TransportConfig
+from kvfabric.spi.options import PluginOptions
+from kvfabric.spi.plugins import PluginManager
+from kvfabric.spi.transport import Transport, TransportClient, TransportConfig
 
-__all__ = ["PREFERENCE", "open_remote"]
+__all__ = ["open_remote"]
 
 log = logging.getLogger("kvfabric")
-
-PREFERENCE = ("shm", "verbs", "tcp", "ucx")
-"""Built-in transports, best first; other installed ones are used only when forced.
-
-``ucx`` comes after ``tcp``: from here kvfabric cannot tell whether UCX would reach a node
-over RDMA or emulate RMA over TCP, and emulated UCX is slower than kvfabric's own ``tcp`` and
-exposed to a UCX bug that can abort the node when a client dies (see docs/ucx.md). On an RDMA
-fabric, ask for it: ``?transport=ucx``."""
 
 
 def open_remote(options: RemoteOptions, host: str, port: int, plugins: PluginManager) -> Store:
@@ -38,7 +34,9 @@ def open_remote(options: RemoteOptions, host: str, port: int, plugins: PluginMan
     config = TransportConfig(
         timeout=options.timeout, token=credentials.data_token if credentials else b""
     )
-    clients = _transport_clients(options, plugins, config)
+    settings = PluginOptions(options.plugin_options)
+    clients = _transport_clients(options, plugins, config, settings)
+    settings.check_all_claimed("store")
     control = ControlClient(
         f"tcp://{host}:{port}",
         timeout=options.control_timeout,
@@ -63,17 +61,29 @@ def open_remote(options: RemoteOptions, host: str, port: int, plugins: PluginMan
 
 
 def _transport_clients(
-    options: RemoteOptions, plugins: PluginManager, config: TransportConfig
+    options: RemoteOptions,
+    plugins: PluginManager,
+    config: TransportConfig,
+    settings: PluginOptions,
 ) -> dict[str, TransportClient]:
+    """A client of every transport usable here, most preferred first (or the forced one).
+
+    Per node, the data plane then uses the first of these that the node also serves and that
+    can reach it. A third-party transport takes part through its declared ``preference``.
+    """
     if options.transport:
-        return {options.transport: plugins.transport(options.transport).create_client(config)}
-    installed = {p.name for p in installed_plugins("transport")}
+        forced = plugins.transport(options.transport)
+        return {forced.name: forced.create_client(_configured(config, forced, settings))}
     clients: dict[str, TransportClient] = {}
-    for name in PREFERENCE:
-        if name not in installed:
-            continue
+    for cls in plugins.installed_transports():
         try:
-            clients[name] = plugins.transport(name).create_client(config)
+            clients[cls.name] = cls.create_client(_configured(config, cls, settings))
         except KvfabricError as exc:
-            log.debug("transport %s not usable here: %s", name, exc)
+            log.debug("transport %s not usable here: %s", cls.name, exc)
     return clients
+
+
+def _configured(
+    config: TransportConfig, cls: type[Transport], settings: PluginOptions
+) -> TransportConfig:
+    return attrs.evolve(config, options=settings.claim(cls))

@@ -22,9 +22,8 @@ from kvfabric._control.security import Credentials
 from kvfabric._wire import protocol as p
 from kvfabric._wire.protocol import REPLY_BIT, ErrorCode, MsgType
 from kvfabric.errors import ProtocolError
-from kvfabric.indexes.memory import MemoryIndex
 from kvfabric.spi.codec import Reader, Writer
-from kvfabric.spi.index import NodeInfo
+from kvfabric.spi.index import IndexPlugin, NodeInfo
 
 __all__ = ["Controller"]
 
@@ -56,7 +55,7 @@ class Controller:
         self,
         *,
         listen: str,
-        index: MemoryIndex,
+        index: IndexPlugin,
         node_timeout: float = 3.0,
         tick: float = 0.25,
         credentials: Credentials | None = None,

@@ -8,12 +8,14 @@ from kvfabric._control.client import ControlClient
 from kvfabric._wire import protocol as p
 from kvfabric._wire.protocol import MsgType
 from kvfabric.descriptor import Descriptor
-from kvfabric.spi.index import AllocateResult, AllocationRequest, GrantRef, NodeInfo
+from kvfabric.spi.index import AllocateResult, AllocationRequest, GrantRef, Index, NodeInfo
 
 __all__ = ["RemoteIndex", "fetch_stats"]
 
 
-class RemoteIndex:
+class RemoteIndex(Index):
+    """The index a controller serves, one control round trip per call."""
+
     def __init__(self, client: ControlClient) -> None:
         self.client = client
 

@@ -10,9 +10,12 @@ import contextlib
 import uuid
 from collections.abc import Sequence
 
+import attrs
+
 from kvfabric.errors import NotSupportedError
 from kvfabric.spi.backend import Backend, BackendConfig
 from kvfabric.spi.index import NodeInfo, RegionInfo
+from kvfabric.spi.options import PluginOptions
 from kvfabric.spi.plugins import PluginManager, plugin_manager
 from kvfabric.spi.transport import NodeEndpoint, RegionHandle, TransportConfig, TransportServer
 
@@ -45,11 +48,23 @@ class DataNode:
         transport_config: TransportConfig,
         name: str | None = None,
         plugins: PluginManager | None = None,
+        plugin_options: PluginOptions | None = None,
     ) -> DataNode:
-        """Build a node from plugin names, checking capabilities before starting anything."""
+        """Build a node from plugin names, checking capabilities and options first.
+
+        ``plugin_options``: users' ``NAME.OPTION`` settings; each selected plugin takes its
+        own, and any left over (a plugin this node does not use) is refused.
+        """
         plugins = plugins or plugin_manager()
+        settings = plugin_options or PluginOptions()
         backend_cls = plugins.backend(backend)
         transport_classes = {t: plugins.transport(t) for t in transports}
+        backend_config = attrs.evolve(backend_config, options=settings.claim(backend_cls))
+        transport_configs = {
+            t: attrs.evolve(transport_config, options=settings.claim(cls))
+            for t, cls in transport_classes.items()
+        }
+        settings.check_all_claimed("node")
         for tname, tcls in transport_classes.items():
             kinds = tcls.capabilities.memory_kinds
             if backend_cls.memory_kind not in kinds:
@@ -67,7 +82,7 @@ class DataNode:
         servers: dict[str, TransportServer] = {}
         try:
             for tname, tcls in transport_classes.items():
-                servers[tname] = tcls.create_server(transport_config)
+                servers[tname] = tcls.create_server(transport_configs[tname])
             return cls(store, servers, name=name)
         except BaseException:
             for server in servers.values():

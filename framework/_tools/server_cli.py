@@ -17,8 +17,10 @@ from kvfabric._control.controller import Controller
 from kvfabric._control.security import Credentials, load_secret
 from kvfabric._node.agent import NodeAgent
 from kvfabric._node.node import DataNode
-from kvfabric.indexes.memory import MemoryIndex
 from kvfabric.spi.backend import BackendConfig
+from kvfabric.spi.index import IndexConfig, IndexPlugin
+from kvfabric.spi.options import PluginOptions, group_plugin_options
+from kvfabric.spi.plugins import plugin_manager
 from kvfabric.spi.transport import TransportConfig
 from kvfabric.spi.units import parse_duration, parse_size
 
@@ -30,20 +32,41 @@ def _credentials(args: argparse.Namespace) -> Credentials | None:
     return Credentials.from_secret(secret) if secret else None
 
 
-def _controller_from(args: argparse.Namespace, credentials: Credentials | None) -> Controller:
-    return Controller(
-        listen=args.listen,
-        index=MemoryIndex(
+def _settings(args: argparse.Namespace) -> PluginOptions:
+    pairs = [
+        *getattr(args, "index_opt", []),
+        *getattr(args, "transport_opt", []),
+        *getattr(args, "backend_opt", []),
+    ]
+    return PluginOptions(group_plugin_options(pairs))
+
+
+def _index_from(args: argparse.Namespace, settings: PluginOptions) -> IndexPlugin:
+    index_cls = plugin_manager().index(args.index)
+    return index_cls.create(
+        IndexConfig(
             lease=parse_duration(args.lease),
             grace=parse_duration(args.grace),
             headroom=args.headroom,
-        ),
+            options=settings.claim(index_cls),
+        )
+    )
+
+
+def _controller_from(
+    args: argparse.Namespace, credentials: Credentials | None, settings: PluginOptions
+) -> Controller:
+    return Controller(
+        listen=args.listen,
+        index=_index_from(args, settings),
         node_timeout=parse_duration(args.node_timeout),
         credentials=credentials,
     )
 
 
-def _node_from(args: argparse.Namespace, credentials: Credentials | None) -> DataNode:
+def _node_from(
+    args: argparse.Namespace, credentials: Credentials | None, settings: PluginOptions
+) -> DataNode:
     return DataNode.create(
         backend=args.backend,
         transports=[t.strip() for t in args.transport.split(",") if t.strip()],
@@ -60,6 +83,7 @@ def _node_from(args: argparse.Namespace, credentials: Credentials | None) -> Dat
             token=credentials.data_token if credentials else b"",
         ),
         name=args.name,
+        plugin_options=settings,
     )
 
 
@@ -84,7 +108,9 @@ def _stop_on_signals(stop: Callable[[], None]) -> None:
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
-    controller = _controller_from(args, _credentials(args))
+    settings = _settings(args)
+    controller = _controller_from(args, _credentials(args), settings)
+    settings.check_all_claimed("controller")
     _stop_on_signals(controller.stop)
     controller.serve(
         lambda endpoint: print(f"kvfabric controller listening on {endpoint}", flush=True)
@@ -94,7 +120,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     credentials = _credentials(args)
-    node = _node_from(args, credentials)
+    node = _node_from(args, credentials, _settings(args))
     agent = NodeAgent(
         node,
         args.controller,
@@ -117,8 +143,9 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     credentials = _credentials(args)
-    controller = _controller_from(args, credentials)
-    node = _node_from(args, credentials)
+    settings = _settings(args)
+    controller = _controller_from(args, credentials, settings)
+    node = _node_from(args, credentials, settings)
     agents: list[NodeAgent] = []
     _stop_on_signals(controller.stop)
 
@@ -158,6 +185,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _add_controller_options(parser: argparse.ArgumentParser, default_listen: str) -> None:
     parser.add_argument("--listen", default=default_listen, help="ZeroMQ endpoint to bind")
+    parser.add_argument(
+        "--index", default="memory", help="index plugin (kvfabric plugins lists them)"
+    )
+    parser.add_argument(
+        "--index-opt",
+        action="append",
+        default=[],
+        metavar="NAME.OPTION=VALUE",
+        help="an option of the index plugin (repeatable)",
+    )
     parser.add_argument("--lease", default="30s", help="a writer's time to publish a grant")
     parser.add_argument("--grace", default="2s", help="how long a freed slot waits for reuse")
     parser.add_argument(
@@ -170,6 +207,20 @@ def _add_controller_options(parser: argparse.ArgumentParser, default_listen: str
 
 def _add_node_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="dram")
+    parser.add_argument(
+        "--backend-opt",
+        action="append",
+        default=[],
+        metavar="NAME.OPTION=VALUE",
+        help="an option of the backend plugin (repeatable)",
+    )
+    parser.add_argument(
+        "--transport-opt",
+        action="append",
+        default=[],
+        metavar="NAME.OPTION=VALUE",
+        help="an option of a transport plugin, e.g. tcp.pool=4 (repeatable)",
+    )
     parser.add_argument("--capacity", default="4GiB")
     parser.add_argument("--region-size", default="1GiB")
     parser.add_argument("--path", default=None, help="backend path (file-backed backends)")

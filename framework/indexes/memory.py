@@ -18,17 +18,22 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from kvfabric.descriptor import Descriptor
-from kvfabric.spi.index import (
+from kvfabric.spi import (
+    SLOT_ALIGN,
     AllocateResult,
     Allocation,
     AllocationKind,
     AllocationRequest,
     GrantRef,
+    IndexConfig,
+    IndexPlugin,
+    NodeEndpoint,
     NodeInfo,
+    Registry,
+    SlotAllocator,
+    hookimpl,
+    record_size,
 )
-from kvfabric.spi.record import SLOT_ALIGN, record_size
-from kvfabric.spi.slots import SlotAllocator
-from kvfabric.spi.transport import NodeEndpoint
 
 __all__ = ["MemoryIndex"]
 
@@ -63,8 +68,17 @@ class _RegionSlots:
         self.allocator = SlotAllocator(size, SLOT_ALIGN)
 
 
-class MemoryIndex:
-    """An :class:`~kvfabric.index.Index` held in this process's memory; thread-safe."""
+class MemoryIndex(IndexPlugin):
+    """The built-in index, held in this process's memory (a controller's, or embedded).
+
+    Thread-safe.
+    """
+
+    name = "memory"
+
+    @classmethod
+    def create(cls, config: IndexConfig) -> MemoryIndex:
+        return cls(lease=config.lease, grace=config.grace, headroom=config.headroom)
 
     def __init__(
         self,
@@ -428,3 +442,8 @@ class MemoryIndex:
                 "used_bytes": capacity - free - self._retired_bytes,
                 "stored_payload_bytes": sum(self._entries[k].descriptor.length for k in self._lru),
             }
+
+
+@hookimpl
+def kvfabric_register_indexes(registry: Registry[IndexPlugin]) -> None:
+    registry.add(MemoryIndex.name, MemoryIndex)

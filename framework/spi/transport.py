@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import attrs
 
 from kvfabric.errors import TransportError
 from kvfabric.spi.backend import MemoryKind, Region
 from kvfabric.spi.codec import Reader, Writer
+from kvfabric.spi.options import Plugin
 
 __all__ = [
     "Capabilities",
@@ -114,7 +115,8 @@ class TransportConfig:
     """Bound on one batched call; a node that does not answer in time is a miss."""
     token: bytes = b""
     """Shared secret a server may require of its clients."""
-    options: Mapping[str, str] = attrs.field(factory=dict)
+    options: Mapping[str, Any] = attrs.field(factory=dict)
+    """The transport's declared options, parsed (every one present, defaulted if not given)."""
 
 
 class TransportServer(abc.ABC):
@@ -167,19 +169,15 @@ class TransportClient(abc.ABC):
     def close(self) -> None: ...
 
 
-class Transport(abc.ABC):
-    """A transport plugin: capabilities as data, and factories for both sides."""
+class Transport(Plugin, abc.ABC):
+    """A transport plugin: capabilities, preference and options as data; factories for both sides.
 
-    name: ClassVar[str]
+    ``preference`` ranks transports a client could use for one node: the highest one both
+    sides have and that can reach the node wins (``?transport=NAME`` forces one instead).
+    """
+
     capabilities: ClassVar[Capabilities]
-    install_hint: ClassVar[str] = ""
-
-    @classmethod
-    def check_available(cls) -> None:
-        """Raise :class:`~kvfabric.errors.PluginUnavailableError` if a dependency is missing.
-
-        Native libraries are imported here or later, never at module import.
-        """
+    preference: ClassVar[int] = 0
 
     @classmethod
     @abc.abstractmethod

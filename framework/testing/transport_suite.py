@@ -38,7 +38,7 @@ _MIB = 1 << 20
 
 
 class RegionServer:
-    """``kvfabric.testing.region_server`` in a child process; ``endpoint`` reaches it."""
+    """``kvfabric._tools.region_server`` in a child process; ``endpoint`` reaches it."""
 
     def __init__(
         self,
@@ -54,7 +54,7 @@ class RegionServer:
             [
                 sys.executable,
                 "-m",
-                "kvfabric.testing.region_server",
+                "kvfabric._tools.region_server",
                 "--transport",
                 transport,
                 "--backend",

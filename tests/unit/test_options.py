@@ -53,9 +53,20 @@ def test_unknown_transport_names_the_installed_ones() -> None:
         kvfabric.connect("embedded://?transport=carrier-pigeon")
 
 
-def test_known_extra_that_is_not_installed_gets_the_pip_command() -> None:
-    with pytest.raises(kvfabric.PluginError, match=r"pip install 'kvfabric\[verbs\]'"):
-        kvfabric.connect("embedded://?transport=verbs")
+def test_a_misspelt_plugin_name_gets_a_suggestion() -> None:
+    with pytest.raises(kvfabric.PluginNotFoundError, match=r"did you mean 'tcp'"):
+        kvfabric.connect("embedded://?transport=tpc")
+
+
+def test_plugin_options_from_the_url_reach_the_plugin_and_typos_are_refused() -> None:
+    with kvfabric.connect("embedded://?transport=tcp&tcp.pool=3") as store:
+        assert store.ping()
+    with pytest.raises(ConfigError, match=r"tcp has no option 'pol'.*pool"):
+        kvfabric.connect("embedded://?transport=tcp&tcp.pol=3")
+    with pytest.raises(ConfigError, match=r"option tcp.pool='many'"):
+        kvfabric.connect("embedded://?transport=tcp&tcp.pool=many")
+    with pytest.raises(ConfigError, match=r"options given for ucx, which this .* not use"):
+        kvfabric.connect("embedded://?transport=tcp&ucx.whatever=1")
 
 
 @pytest.mark.parametrize(

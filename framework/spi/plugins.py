@@ -71,7 +71,8 @@ def install_hint(kind: Kind, name: str) -> str:
 class Registry(Generic[P]):
     """Name → plugin class of one kind, filled by the registration hooks and checked there."""
 
-    def __init__(self, kind: Kind, base: type[P]) -> None:
+    def __init__(self, kind: Kind, base: type[Plugin]) -> None:
+        # ``base`` is abstract, so it is typed as the root plugin class (mypy's type-abstract).
         self.kind = kind
         self.base = base
         self._items: dict[str, type[P]] = {}

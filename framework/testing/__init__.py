@@ -19,6 +19,7 @@ Every test asserts an outcome (bytes, counts, errors); none asserts a timing.
 
 from kvfabric._tools.cluster import Cluster, free_port
 from kvfabric.testing.hooks import corrupt_payload, resolve_descriptor
+from kvfabric.testing.index_suite import IndexConformance, MakeIndex
 from kvfabric.testing.store_suite import StoreConformance
 from kvfabric.testing.transport_suite import (
     RegionServer,
@@ -30,6 +31,8 @@ from kvfabric.testing.transport_suite import (
 
 __all__ = [
     "Cluster",
+    "IndexConformance",
+    "MakeIndex",
     "RegionServer",
     "StoreConformance",
     "TransportConformance",

@@ -1,0 +1,332 @@
+"""Conformance tests every index plugin must pass (the built-in ``memory`` index passes them).
+
+An index plugin author subclasses :class:`IndexConformance` and overrides one fixture::
+
+    class TestMyIndex(IndexConformance):
+        @pytest.fixture
+        def make_index(self) -> Iterator[MakeIndex]:
+            made = []
+            def make(config: IndexConfig) -> IndexPlugin:
+                index = MyIndex.create(config)
+                made.append(index)
+                return index
+            yield make
+            for index in made:
+                index.close()
+
+The suite registers its own data nodes (regions of known size, no real memory behind them:
+an index never touches payload bytes) and checks grants, publishing, prefix lookups, dedup,
+leases, the grace period, eviction, membership and the counters. Time-based checks use short
+leases and wait past them: a slow machine only makes them wait longer, never fail.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from kvfabric.descriptor import Descriptor
+from kvfabric.keys import fold_key
+from kvfabric.spi import (
+    AllocationKind,
+    AllocationRequest,
+    GrantRef,
+    IndexConfig,
+    IndexPlugin,
+    NodeInfo,
+    RegionInfo,
+    record_size,
+)
+
+__all__ = ["IndexConformance", "MakeIndex"]
+
+MakeIndex = Callable[[IndexConfig], IndexPlugin]
+
+_VALUE = 1000
+_SLOT = record_size(_VALUE)
+
+
+def _keys(n: int) -> list[bytes]:
+    salt = uuid.uuid4().bytes
+    return [fold_key(i, salt) for i in range(n)]
+
+
+def _node(name: str, *sizes: int) -> NodeInfo:
+    regions = tuple(RegionInfo(id=i, size=size, rkey=1000 + i) for i, size in enumerate(sizes))
+    return NodeInfo(name=name, regions=regions, endpoints=())
+
+
+def _grants(index: IndexPlugin, keys: Sequence[bytes], length: int = _VALUE) -> list[Descriptor]:
+    result = index.allocate([AllocationRequest(key=k, length=length) for k in keys])
+    out = []
+    for allocation in result.allocations:
+        assert allocation.kind is AllocationKind.GRANTED, allocation.kind
+        assert allocation.descriptor is not None
+        out.append(allocation.descriptor)
+    return out
+
+
+def _put(index: IndexPlugin, keys: Sequence[bytes], length: int = _VALUE) -> list[AllocationKind]:
+    result = index.allocate([AllocationRequest(key=k, length=length) for k in keys])
+    granted = [
+        GrantRef.of(a.descriptor, crc=7)
+        for a in result.allocations
+        if a.kind is AllocationKind.GRANTED and a.descriptor is not None
+    ]
+    assert all(index.publish(granted))
+    return [a.kind for a in result.allocations]
+
+
+def _wait_past(seconds: float, index: IndexPlugin) -> None:
+    time.sleep(seconds)
+    index.tick()
+
+
+class IndexConformance:
+    """Mixin: override ``make_index`` with a factory of fresh, empty indexes."""
+
+    @pytest.fixture
+    def make_index(self) -> MakeIndex:
+        pytest.fail("IndexConformance needs a make_index fixture: IndexConfig -> a new index")
+
+    @pytest.fixture
+    def index(self, make_index: MakeIndex) -> IndexPlugin:
+        """A fresh index with one node of two 1 MiB regions, no grace and no headroom."""
+        index = make_index(IndexConfig(grace=0.0, headroom=0.0))
+        index.register_node(_node("n1", 1 << 20, 1 << 20))
+        return index
+
+    # -- what the class declares ---------------------------------------------------------
+
+    def test_the_class_declares_a_name_and_options_as_data(self, index: IndexPlugin) -> None:
+        cls = type(index)
+        assert isinstance(cls.name, str)
+        assert cls.name
+        assert isinstance(cls.options, tuple)
+
+    # -- grants and publishing -----------------------------------------------------------
+
+    def test_a_grant_is_invisible_until_published_with_its_crc(self, index: IndexPlugin) -> None:
+        (key,) = _keys(1)
+        (grant,) = _grants(index, [key])
+        assert grant.key == key
+        assert grant.length == _VALUE
+        assert grant.rkey in (1000, 1001)
+        assert index.exists([key]) == [False]
+        assert index.lookup_prefix([key]) == []
+        assert index.resolve([key]) == [None]
+        assert index.publish([GrantRef.of(grant, crc=0xABCD)]) == [True]
+        (published,) = index.lookup_prefix([key])
+        assert published.crc == 0xABCD
+        assert (published.version, published.offset) == (grant.version, grant.offset)
+        assert index.resolve([key]) == [published]
+        assert index.exists([key]) == [True]
+
+    def test_grants_of_one_call_never_overlap(self, index: IndexPlugin) -> None:
+        lengths = [1, 63, 64, 65, 4000, 100_000, 0, 12_345] * 8
+        keys = _keys(len(lengths))
+        result = index.allocate(
+            [AllocationRequest(key=k, length=n) for k, n in zip(keys, lengths, strict=True)]
+        )
+        spans: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for allocation, length in zip(result.allocations, lengths, strict=True):
+            assert allocation.kind is AllocationKind.GRANTED
+            d = allocation.descriptor
+            assert d is not None
+            spans.setdefault((d.node, d.region), []).append((d.offset, record_size(length)))
+        for extents in spans.values():
+            extents.sort()
+            for (a, a_size), (b, _) in itertools.pairwise(extents):
+                assert a + a_size <= b
+
+    def test_versions_are_unique_and_grow(self, index: IndexPlugin) -> None:
+        grants = _grants(index, _keys(20))
+        versions = [g.version for g in grants]
+        assert len(set(versions)) == 20
+        later = _grants(index, _keys(1))[0]
+        assert later.version > max(versions)
+
+    def test_a_second_writer_is_told_in_flight_and_a_third_after_publish_exists(
+        self, index: IndexPlugin
+    ) -> None:
+        (key,) = _keys(1)
+        (grant,) = _grants(index, [key])
+        again = index.allocate([AllocationRequest(key=key, length=_VALUE)]).allocations[0]
+        assert again.kind is AllocationKind.IN_FLIGHT
+        assert index.publish([GrantRef.of(grant)]) == [True]
+        third = index.allocate([AllocationRequest(key=key, length=_VALUE)]).allocations[0]
+        assert third.kind is AllocationKind.EXISTS
+        assert third.descriptor is not None
+        assert third.descriptor.version == grant.version
+
+    def test_dedup_hits_are_counted(self, index: IndexPlugin) -> None:
+        keys = _keys(5)
+        _put(index, keys)
+        before = index.stats()["dedup_hits"]
+        assert _put(index, keys) == [AllocationKind.EXISTS] * 5
+        assert index.stats()["dedup_hits"] - before == 5
+
+    def test_an_aborted_grant_cannot_be_published_and_the_key_can_be_granted_again(
+        self, index: IndexPlugin
+    ) -> None:
+        (key,) = _keys(1)
+        (grant,) = _grants(index, [key])
+        index.abort([GrantRef.of(grant)])
+        assert index.publish([GrantRef.of(grant)]) == [False]
+        assert _put(index, [key]) == [AllocationKind.GRANTED]
+
+    def test_publish_of_a_grant_never_made_is_refused(self, index: IndexPlugin) -> None:
+        (key,) = _keys(1)
+        assert index.publish([GrantRef(key=key, version=12345, crc=1)]) == [False]
+        assert index.exists([key]) == [False]
+
+    def test_a_lease_that_ran_out_refuses_the_late_publish(self, make_index: MakeIndex) -> None:
+        index = make_index(IndexConfig(lease=0.2, grace=0.0, headroom=0.0))
+        index.register_node(_node("n1", 1 << 20))
+        (key,) = _keys(1)
+        (grant,) = _grants(index, [key])
+        _wait_past(0.5, index)
+        assert index.publish([GrantRef.of(grant)]) == [False]
+        assert index.exists([key]) == [False]
+        (regrant,) = _grants(index, [key])
+        assert regrant.version > grant.version
+
+    # -- lookups -------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("gap", [0, 1, 7, 15])
+    def test_lookup_prefix_stops_at_the_first_gap(self, index: IndexPlugin, gap: int) -> None:
+        keys = _keys(16)
+        _put(index, keys[:gap] + keys[gap + 1 :])
+        found = index.lookup_prefix(keys)
+        assert [d.key for d in found] == keys[:gap]
+
+    def test_resolve_and_exists_answer_per_key(self, index: IndexPlugin) -> None:
+        keys = _keys(6)
+        _put(index, [keys[1], keys[4]])
+        assert index.exists(keys) == [False, True, False, False, True, False]
+        resolved = index.resolve(keys)
+        assert [d is not None for d in resolved] == [False, True, False, False, True, False]
+        assert [d.key for d in resolved if d is not None] == [keys[1], keys[4]]
+
+    def test_a_large_batch_is_one_call(self, index: IndexPlugin) -> None:
+        keys = _keys(1024)
+        _put(index, keys, length=64)
+        assert len(index.lookup_prefix(keys)) == 1024
+        assert index.exists(keys) == [True] * 1024
+
+    # -- removal, grace, eviction --------------------------------------------------------
+
+    def test_unpublish_removes_at_once_and_counts(self, index: IndexPlugin) -> None:
+        keys = _keys(4)
+        _put(index, keys)
+        assert index.unpublish([keys[1], keys[2], _keys(1)[0]]) == 2
+        assert index.exists(keys) == [True, False, False, True]
+        assert len(index.lookup_prefix(keys)) == 1
+
+    def test_a_retired_slot_waits_out_the_grace_period(self, make_index: MakeIndex) -> None:
+        index = make_index(IndexConfig(grace=60.0, headroom=0.0))
+        index.register_node(_node("n1", _SLOT))  # room for exactly one record
+        first, second = _keys(2)
+        _put(index, [first])
+        old = index.resolve([first])[0]
+        assert old is not None
+        assert index.unpublish([first]) == 1
+        # The only slot is retired for a minute: a new key must not land on it now.
+        outcome = index.allocate([AllocationRequest(key=second, length=_VALUE)])
+        assert outcome.allocations[0].kind is AllocationKind.NO_SPACE
+
+    def test_a_freed_slot_comes_back_under_a_new_version(self, make_index: MakeIndex) -> None:
+        index = make_index(IndexConfig(grace=0.2, headroom=0.0))
+        index.register_node(_node("n1", _SLOT))
+        first, second = _keys(2)
+        _put(index, [first])
+        old = index.resolve([first])[0]
+        assert old is not None
+        index.unpublish([first])
+        _wait_past(0.5, index)
+        (grant,) = _grants(index, [second])
+        assert (grant.region, grant.offset) == (old.region, old.offset)
+        assert grant.version > old.version
+
+    def test_a_full_index_evicts_to_make_room(self, make_index: MakeIndex) -> None:
+        index = make_index(IndexConfig(grace=0.0, headroom=0.0))
+        index.register_node(_node("n1", 4 * _SLOT))
+        keys = _keys(10)
+        for key in keys:
+            assert _put(index, [key]) == [AllocationKind.GRANTED]
+        stats = index.stats()
+        assert stats["entries"] == 4
+        assert stats["evictions"] == 6
+        assert index.exists(keys[-1:]) == [True]
+
+    def test_allocate_reports_the_evictions_it_caused(self, make_index: MakeIndex) -> None:
+        index = make_index(IndexConfig(grace=0.0, headroom=0.0))
+        index.register_node(_node("n1", 2 * _SLOT))
+        _put(index, _keys(2))
+        result = index.allocate([AllocationRequest(key=_keys(1)[0], length=_VALUE)])
+        assert result.allocations[0].kind is AllocationKind.GRANTED
+        assert result.evictions == 1
+
+    def test_a_value_larger_than_any_region_is_no_space(self, index: IndexPlugin) -> None:
+        (key,) = _keys(1)
+        result = index.allocate([AllocationRequest(key=key, length=2 << 20)])
+        assert result.allocations[0].kind is AllocationKind.NO_SPACE
+
+    # -- membership ----------------------------------------------------------------------
+
+    def test_nodes_get_distinct_ids_and_a_name_keeps_its_id(self, index: IndexPlugin) -> None:
+        first = index.nodes()[0]
+        second = index.register_node(_node("n2", 1 << 20))
+        assert second.id != first.id
+        again = index.register_node(_node("n1", 1 << 20, 1 << 20))
+        assert again.id == first.id
+        assert sorted(n.name for n in index.nodes()) == ["n1", "n2"]
+
+    def test_removing_a_node_drops_its_entries(self, index: IndexPlugin) -> None:
+        keys = _keys(3)
+        _put(index, keys)
+        (node,) = index.nodes()
+        assert index.remove_node(node.id) == 3
+        assert index.exists(keys) == [False] * 3
+        assert index.nodes() == []
+        result = index.allocate([AllocationRequest(key=_keys(1)[0], length=10)])
+        assert result.allocations[0].kind is AllocationKind.NO_SPACE
+
+    def test_grants_spread_over_every_node(self, index: IndexPlugin) -> None:
+        index.register_node(_node("n2", 1 << 20, 1 << 20))
+        grants = _grants(index, _keys(64))
+        assert len({g.node for g in grants}) == 2
+
+    # -- counters and threads ------------------------------------------------------------
+
+    def test_stats_account_for_entries_and_bytes(self, index: IndexPlugin) -> None:
+        _put(index, _keys(10), length=500)
+        stats = index.stats()
+        assert stats["entries"] == 10
+        assert stats["nodes"] == 1
+        assert stats["capacity_bytes"] == 2 << 20
+        assert stats["stored_payload_bytes"] == 10 * 500
+        assert stats["used_bytes"] == 10 * record_size(500)
+
+    def test_concurrent_writers_of_one_key_get_exactly_one_grant(self, index: IndexPlugin) -> None:
+        (key,) = _keys(1)
+        kinds: list[AllocationKind] = []
+        lock = threading.Lock()
+
+        def writer() -> None:
+            result = index.allocate([AllocationRequest(key=key, length=_VALUE)])
+            with lock:
+                kinds.append(result.allocations[0].kind)
+
+        threads = [threading.Thread(target=writer) for _ in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert kinds.count(AllocationKind.GRANTED) == 1
+        assert kinds.count(AllocationKind.IN_FLIGHT) == 15

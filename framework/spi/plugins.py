@@ -193,7 +193,6 @@ class PluginManager:
         with self._lock:
             if self.pm.get_plugin(name) is None:
                 self._register_checked(plugin, name)
-            self._run_registration_hooks()
 
     def transport(self, name: str) -> type[Transport]:
         """The transport class registered as ``name``, loading its entry point if needed."""
@@ -257,22 +256,30 @@ class PluginManager:
         plugin_name = f"{group}:{name}"
         if self.pm.get_plugin(plugin_name) is None:
             self._register_checked(plugin, plugin_name)
-        self._run_registration_hooks()
 
     def _register_checked(self, plugin: object, name: str) -> None:
+        """Register with pluggy and run the plugin's registration hooks, or leave no trace."""
         try:
             self.pm.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
             # pluggy names the hook and the signature that do not match our specs.
             raise PluginError(f"plugin {name} does not match kvfabric's hooks: {exc}") from exc
+        try:
+            self._run_registration_hooks(name)
+        except BaseException:
+            # A plugin that fails to register must not break the loading of later ones.
+            self.pm.unregister(name=name)
+            raise
 
-    def _run_registration_hooks(self) -> None:
+    def _run_registration_hooks(self, plugin_name: str) -> None:
         # Each implementation is called on its own, so an error names the plugin and hook.
         for kind, hook_name in _HOOKS.items():
             registry = self._registries[kind]
             caller: Any = getattr(self.pm.hook, hook_name)
             for impl in caller.get_hookimpls():
-                registry._source = f"plugin {impl.plugin_name} ({hook_name})"
+                if impl.plugin_name != plugin_name:
+                    continue
+                registry._source = f"plugin {plugin_name} ({hook_name})"
                 try:
                     _call_registration(impl.function, registry)
                 finally:

@@ -30,6 +30,56 @@ _PLUGIN_MODULE = textwrap.dedent(
     '''
 )
 _BROKEN_MODULE = "import kvfabric_missing_native_library  # noqa\n"
+_INDEX_MODULE = textwrap.dedent(
+    '''
+    """A third-party index: the memory index with a declared option."""
+    from kvfabric.indexes.memory import MemoryIndex
+    from kvfabric.spi import OptionSpec, hookimpl
+
+    LABELS = []
+
+
+    class TallyIndex(MemoryIndex):
+        name = "tally"
+        options = (OptionSpec(name="label", parse=str, default="none", help="a label"),)
+
+        @classmethod
+        def create(cls, config):
+            LABELS.append(config.options["label"])
+            return super().create(config)
+
+
+    @hookimpl
+    def kvfabric_register_indexes(registry):
+        registry.add("tally", TallyIndex)
+    '''
+)
+_MALFORMED_MODULE = textwrap.dedent(
+    '''
+    """Registers something that is not an index."""
+    from kvfabric.spi import hookimpl
+
+
+    class NotAnIndex:
+        name = "malformed"
+
+
+    @hookimpl
+    def kvfabric_register_indexes(registry):
+        registry.add("malformed", NotAnIndex)
+    '''
+)
+_BAD_HOOK_MODULE = textwrap.dedent(
+    '''
+    """Implements a registration hook with an argument kvfabric never passes."""
+    from kvfabric.spi import hookimpl
+
+
+    @hookimpl
+    def kvfabric_register_indexes(registry, colour):
+        pass
+    '''
+)
 
 
 def _build_wheel(directory: Path) -> Path:
@@ -40,11 +90,16 @@ def _build_wheel(directory: Path) -> Path:
     files = {
         "kvfabric_mirror/__init__.py": _PLUGIN_MODULE,
         "kvfabric_mirror/broken.py": _BROKEN_MODULE,
+        "kvfabric_mirror/tally.py": _INDEX_MODULE,
+        "kvfabric_mirror/malformed.py": _MALFORMED_MODULE,
+        "kvfabric_mirror/bad_hook.py": _BAD_HOOK_MODULE,
         f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
         f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\n"
         "Tag: py3-none-any\n",
         f"{dist_info}/entry_points.txt": "[kvfabric.transports]\n"
-        "mirror = kvfabric_mirror\nbroken = kvfabric_mirror.broken\n",
+        "mirror = kvfabric_mirror\nbroken = kvfabric_mirror.broken\n"
+        "[kvfabric.indexes]\ntally = kvfabric_mirror.tally\nmalformed = kvfabric_mirror.malformed\n"
+        "bad_hook = kvfabric_mirror.bad_hook\n",
     }
     record = "".join(f"{path},,\n" for path in files) + f"{dist_info}/RECORD,,\n"
     with zipfile.ZipFile(wheel, "w") as zf:
@@ -124,6 +179,68 @@ def test_plugin_that_cannot_import_gives_a_clear_error(plugin_dir: Path) -> None
     assert "kvfabric_missing_native_library" in result.stdout
 
 
+def test_a_third_party_index_is_selected_by_url_and_takes_its_options(plugin_dir: Path) -> None:
+    result = _run(
+        plugin_dir,
+        """
+        import kvfabric
+        from kvfabric_mirror.tally import LABELS
+        with kvfabric.connect("embedded://?index=tally&tally.label=blue") as store:
+            key = kvfabric.chain_key(kvfabric.ROOT_KEY, [4, 5, 6])
+            store.batched_put([key], [b"indexed by a plugin"])
+            assert store.batched_contains([key]) == 1
+            print(bytes(store.batched_get([key])[0]).decode(), LABELS)
+        try:
+            kvfabric.connect("embedded://?index=tally&tally.colour=red")
+        except kvfabric.ConfigError as exc:
+            print("refused:", exc)
+        """,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "indexed by a plugin ['blue']"
+    assert "refused: tally has no option 'colour'; it accepts: label" in lines[1]
+
+
+def test_a_malformed_plugin_fails_at_load_naming_plugin_hook_and_problem(
+    plugin_dir: Path,
+) -> None:
+    result = _run(
+        plugin_dir,
+        """
+        import kvfabric
+        for name in ("malformed", "bad_hook"):
+            try:
+                kvfabric.connect(f"embedded://?index={name}")
+            except kvfabric.PluginError as exc:
+                print(exc)
+        """,
+    )
+    out = result.stdout
+    assert "plugin kvfabric.indexes:malformed (kvfabric_register_indexes) registered index" in out
+    assert "which is not a subclass of kvfabric.spi.IndexPlugin" in out
+    assert "plugin kvfabric.indexes:bad_hook does not match kvfabric's hooks" in out
+    assert "Argument(s) {'colour'} are declared in the hookimpl" in out
+
+
+def test_a_plugin_that_failed_to_register_does_not_break_later_ones(plugin_dir: Path) -> None:
+    result = _run(
+        plugin_dir,
+        """
+        import kvfabric
+        from kvfabric.spi import PluginManager
+        manager = PluginManager()
+        try:
+            manager.index("malformed")
+        except kvfabric.PluginError:
+            pass
+        print(manager.index("tally").name, manager.transport("mirror").name)
+        """,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "tally mirror"
+
+
 def test_cli_lists_third_party_plugins(plugin_dir: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(plugin_dir)}
     result = subprocess.run(
@@ -139,6 +256,8 @@ def test_cli_lists_third_party_plugins(plugin_dir: Path) -> None:
     assert " ok " in lines["mirror"]
     assert "unavailable" in lines["broken"]
     assert " ok " in lines["shm"]
+    assert " ok " in lines["tally"]
+    assert " ok " in lines["memory"]
 
 
 def test_built_ins_come_through_the_same_entry_points() -> None:

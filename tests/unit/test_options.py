@@ -71,13 +71,40 @@ def test_plugin_options_from_the_url_reach_the_plugin_and_typos_are_refused() ->
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("4096", 4096), ("256MiB", 256 << 20), ("4GiB", 4 << 30), ("1.5GB", 1_500_000_000)],
+    [
+        ("4096", 4096),
+        ("256MiB", 256 << 20),
+        ("4GiB", 4 << 30),
+        ("16gib", 16 << 30),
+        ("1.5GB", 1_500_000_000),
+        ("0.1KB", 100),
+        ("100TiB", 100 << 40),
+    ],
 )
-def test_sizes(text: str, value: int) -> None:
+def test_sizes_are_bytes_binary_with_iec_units_and_decimal_with_si_units(
+    text: str, value: int
+) -> None:
     assert parse_size(text) == value
 
 
-@pytest.mark.parametrize(("text", "value"), [("2", 2.0), ("2s", 2.0), ("250ms", 0.25)])
+@pytest.mark.parametrize("text", ["16G", "16g", "512M", "4k", "1T"])
+def test_a_single_letter_size_unit_is_refused_with_both_readings(text: str) -> None:
+    with pytest.raises(ConfigError, match="ambiguous") as info:
+        parse_size(text)
+    number, letter = text[:-1], text[-1].upper()
+    assert f"{number}{letter}iB" in str(info.value)
+    assert f"{number}{letter}B" in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["lots", "1.5", "16 bananas", "-1GiB", ""])
+def test_a_size_that_is_not_a_whole_number_of_bytes_is_refused(text: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape("e.g. 4096")):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("2", 2.0), ("2s", 2.0), ("250ms", 0.25), ("1.5min", 90.0), ("1m", 60.0)]
+)
 def test_durations(text: str, value: float) -> None:
     assert parse_duration(text) == value
 

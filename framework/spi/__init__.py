@@ -56,6 +56,7 @@ from kvfabric.spi.record import (
     record_size,
     validate_record,
 )
+from kvfabric.spi.record_scan import FoundRecord, ScanResult, scan_records
 from kvfabric.spi.slots import SlotAllocator
 from kvfabric.spi.transport import (
     Capabilities,
@@ -87,6 +88,7 @@ __all__ = [
     "Capabilities",
     "Counters",
     "Failure",
+    "FoundRecord",
     "GrantRef",
     "Index",
     "IndexConfig",
@@ -105,6 +107,7 @@ __all__ = [
     "RegionHandle",
     "RegionInfo",
     "Registry",
+    "ScanResult",
     "Segment",
     "SlotAllocator",
     "Transport",
@@ -132,6 +135,7 @@ __all__ = [
     "parse_size",
     "plugin_manager",
     "record_size",
+    "scan_records",
     "validate_record",
     "writable_view",
 ]

@@ -9,6 +9,7 @@ Every operation is O(log n) in the number of distinct free sizes.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 
 __all__ = ["SlotAllocator"]
 
@@ -16,7 +17,9 @@ __all__ = ["SlotAllocator"]
 class SlotAllocator:
     """Free-extent bookkeeping for ``size`` bytes; offsets and sizes are multiples of ``align``."""
 
-    def __init__(self, size: int, align: int = 64) -> None:
+    def __init__(self, size: int, align: int = 64, used: Iterable[tuple[int, int]] = ()) -> None:
+        """``used``: (offset, size) slots already taken (rebuilding from records); they must
+        lie inside the region and must not overlap (ValueError otherwise)."""
         self.size = size - size % align
         self.align = align
         self.free_bytes = 0
@@ -24,8 +27,16 @@ class SlotAllocator:
         self._by_end: dict[int, int] = {}
         self._by_size: dict[int, set[int]] = {}
         self._sizes: list[int] = []
-        if self.size:
-            self._insert(0, self.size)
+        cursor = 0
+        for offset, length in sorted(used):
+            length = self._round(length)
+            if offset < cursor or offset % align or offset + length > self.size:
+                raise ValueError(f"used slot [{offset}, {offset + length}) overlaps or is outside")
+            if offset > cursor:
+                self._insert(cursor, offset - cursor)
+            cursor = offset + length
+        if self.size > cursor:
+            self._insert(cursor, self.size - cursor)
 
     def largest_free(self) -> int:
         return self._sizes[-1] if self._sizes else 0

@@ -59,13 +59,17 @@ class _Entry:
 
 
 class _RegionSlots:
-    __slots__ = ("allocator", "node", "region", "rkey")
+    __slots__ = ("allocator", "node", "region", "restored", "rkey", "size")
 
-    def __init__(self, node: int, region: int, rkey: int, size: int) -> None:
+    def __init__(self, node: int, region: int, rkey: int, size: int, *, restoring: bool) -> None:
         self.node = node
         self.region = region
         self.rkey = rkey
-        self.allocator = SlotAllocator(size, SLOT_ALIGN)
+        self.size = size
+        # While the node reports its records, nothing is free: a grant must not land on a
+        # record not reported yet. ``restored`` collects their slots until the node is done.
+        self.allocator = SlotAllocator(0 if restoring else size, SLOT_ALIGN)
+        self.restored: list[tuple[int, int]] | None = [] if restoring else None
 
 
 class MemoryIndex(IndexPlugin):
@@ -105,6 +109,8 @@ class MemoryIndex(IndexPlugin):
         self._regions: dict[tuple[int, int], _RegionSlots] = {}
         self._nodes: dict[int, NodeInfo] = {}
         self._node_ids: dict[str, int] = {}
+        self._next_node_id = 0
+        self._next_incarnation = 0
         # Seeded from the wall clock so a restarted index never reissues a version that
         # records from before the restart may still carry.
         self._next_version = time.time_ns()
@@ -126,6 +132,9 @@ class MemoryIndex(IndexPlugin):
                 "unpublished",
                 "evictions",
                 "lease_expiries",
+                "restored",
+                "restore_duplicates",
+                "restore_overlaps",
             ),
             0,
         )
@@ -136,38 +145,101 @@ class MemoryIndex(IndexPlugin):
         with self._lock:
             node_id = self._node_ids.get(info.name)
             if node_id is None:
-                node_id = max(self._nodes, default=0) + 1
-                self._node_ids[info.name] = node_id
+                # Ids are never reused: a client holding routes for a node that is gone must
+                # never reach another node under its id.
+                self._next_node_id += 1
+                node_id = self._node_ids[info.name] = self._next_node_id
+            self._next_incarnation += 1
             endpoints = tuple(
                 NodeEndpoint(
                     node=node_id, transport=e.transport, address=e.address, regions=e.regions
                 )
                 for e in info.endpoints
             )
-            registered = NodeInfo(
-                name=info.name, regions=info.regions, endpoints=endpoints, id=node_id
+            registered = attrs.evolve(
+                info, endpoints=endpoints, id=node_id, incarnation=self._next_incarnation
             )
             self._nodes[node_id] = registered
+            wanted = {region.id: region for region in info.regions}
+            for (node, region_id), slots in list(self._regions.items()):
+                if node != node_id:
+                    continue
+                region = wanted.get(region_id)
+                if (
+                    info.restoring
+                    or region is None
+                    or (region.rkey, region.size) != (slots.rkey, slots.size)
+                ):
+                    self._drop_region_entries(slots)
+                    del self._regions[(node, region_id)]
             for region in info.regions:
-                known = self._regions.get((node_id, region.id))
-                if known is None or known.rkey != region.rkey:
-                    if known is not None:
-                        self._drop_region_entries(known)
+                if (node_id, region.id) not in self._regions:
                     self._regions[(node_id, region.id)] = _RegionSlots(
-                        node_id, region.id, region.rkey, region.size
+                        node_id, region.id, region.rkey, region.size, restoring=info.restoring
                     )
             return registered
 
     def remove_node(self, node: int) -> int:
         with self._lock:
-            info = self._nodes.pop(node, None)
-            if info is None:
+            if self._nodes.pop(node, None) is None:
                 return 0
-            del self._node_ids[info.name]
             dropped = 0
             for region_id in [r for (n, r) in self._regions if n == node]:
                 dropped += self._drop_region_entries(self._regions.pop((node, region_id)))
             return dropped
+
+    def restore(self, node: int, records: Sequence[Descriptor]) -> int:
+        with self._lock:
+            now = self._clock()
+            kept = 0
+            for record in records:
+                slots = self._regions.get((node, record.region))
+                if slots is None or slots.restored is None:
+                    continue
+                size = record_size(record.length)
+                if record.offset % SLOT_ALIGN or record.offset + size > slots.size:
+                    continue
+                known = self._entries.get(record.key)
+                if known is not None:
+                    self._counters["restore_duplicates"] += 1
+                    continue
+                descriptor = attrs.evolve(record, node=node, rkey=slots.rkey)
+                entry = _Entry(descriptor, size, lease_deadline=0.0)
+                entry.state = _State.PUBLISHED
+                entry.last_use = now
+                self._entries[record.key] = entry
+                self._lru[record.key] = None
+                slots.restored.append((record.offset, size))
+                kept += 1
+            self._counters["restored"] += kept
+            return kept
+
+    def restore_done(self, node: int) -> None:
+        with self._lock:
+            for (owner, _), slots in self._regions.items():
+                if owner != node or slots.restored is None:
+                    continue
+                used: list[tuple[int, int]] = []
+                end = 0
+                # Reported records that overlap (a confused or hostile node) lose to the one
+                # at the lower offset; their entries go, so nothing points into shared space.
+                for offset, size in sorted(slots.restored):
+                    if offset < end:
+                        self._drop_entry_at(slots, offset)
+                        continue
+                    used.append((offset, size))
+                    end = offset + size
+                slots.allocator = SlotAllocator(slots.size, SLOT_ALIGN, used)
+                slots.restored = None
+
+    def _drop_entry_at(self, slots: _RegionSlots, offset: int) -> None:
+        for key, entry in list(self._entries.items()):
+            d = entry.descriptor
+            if (d.node, d.region, d.offset) == (slots.node, slots.region, offset):
+                del self._entries[key]
+                self._lru.pop(key, None)
+                self._counters["restore_overlaps"] += 1
+                return
 
     def _drop_region_entries(self, slots: _RegionSlots) -> int:
         doomed = [
@@ -371,7 +443,7 @@ class MemoryIndex(IndexPlugin):
         return int(self._capacity() * self._headroom)
 
     def _capacity(self) -> int:
-        return sum(s.allocator.size for s in self._regions.values())
+        return sum(s.size for s in self._regions.values())
 
     def _free_bytes(self) -> int:
         return sum(s.allocator.free_bytes for s in self._regions.values())
@@ -409,7 +481,11 @@ class MemoryIndex(IndexPlugin):
         while self._retired and self._retired[0][0] <= now:
             _, slots, offset, size = self._retired.popleft()
             self._retired_bytes -= size
-            slots.allocator.free(offset, size)
+            if slots.restored is not None:
+                # Its region is still being restored: the slot is simply not reported used.
+                slots.restored.remove((offset, size))
+            else:
+                slots.allocator.free(offset, size)
 
     def _expire_leases(self, now: float) -> None:
         while self._pending and self._pending[0][0] <= now:

@@ -98,9 +98,20 @@ class NodeInfo:
     endpoints: tuple[NodeEndpoint, ...]
     """One per transport the node serves; ``endpoint.node`` is filled in by the index."""
     id: int = 0
+    """Assigned by the index; never given to another node (another name)."""
+    incarnation: int = 0
+    """Assigned by the index, new at every registration: what clients cache about a node
+    (routes, mappings, connections) is keyed by it, and relearned when it changes."""
+    instance: int = 0
+    """Chosen by the node process at start (random): tells a node re-registering from a
+    second process claiming its name."""
+    restoring: bool = False
+    """The node holds records it will report (``IndexPlugin.restore``); its regions take no
+    new grants until it says it is done."""
 
     def write_to(self, w: Writer) -> None:
-        w.u32(self.id).text(self.name).u32(len(self.regions))
+        w.u32(self.id).u64(self.incarnation).u64(self.instance).u8(1 if self.restoring else 0)
+        w.text(self.name).u32(len(self.regions))
         for region in self.regions:
             w.u32(region.id).u64(region.size).u64(region.rkey)
         w.u32(len(self.endpoints))
@@ -109,12 +120,21 @@ class NodeInfo:
 
     @classmethod
     def read_from(cls, r: Reader) -> NodeInfo:
-        node_id, name = r.u32(), r.text()
+        node_id, incarnation, instance, flags = r.u32(), r.u64(), r.u64(), r.u8()
+        name = r.text()
         regions = tuple(
             RegionInfo(id=r.u32(), size=r.u64(), rkey=r.u64()) for _ in range(r.count(20))
         )
         endpoints = tuple(NodeEndpoint.read_from(r) for _ in range(r.count(12, 64)))
-        return cls(name=name, regions=regions, endpoints=endpoints, id=node_id)
+        return cls(
+            name=name,
+            regions=regions,
+            endpoints=endpoints,
+            id=node_id,
+            incarnation=incarnation,
+            instance=instance,
+            restoring=bool(flags & 1),
+        )
 
     def to_bytes(self) -> bytes:
         w = Writer()
@@ -207,11 +227,36 @@ class IndexPlugin(Plugin, Index):
 
     @abc.abstractmethod
     def register_node(self, info: NodeInfo) -> NodeInfo:
-        """Add (or refresh) a node's regions; returns the info with its assigned id."""
+        """Add a node, or replace what the index knows of it; returns its id and incarnation.
+
+        A name keeps its id for the index's lifetime; every registration gets a new
+        incarnation. Re-registration replaces the node's regions: entries in regions that
+        are gone or changed (size, rkey) are dropped, and with ``restoring`` set every
+        region waits for the node's records (:meth:`restore`) before taking grants.
+        """
 
     @abc.abstractmethod
     def remove_node(self, node: int) -> int:
-        """Forget a node and every entry on it; returns how many entries went."""
+        """Forget a node and every entry on it; returns how many entries went.
+
+        The node's id stays reserved for its name: it is never given to another node.
+        """
+
+    @abc.abstractmethod
+    def restore(self, node: int, records: Sequence[Descriptor]) -> int:
+        """Publish records a node found in its own memory; returns how many were kept.
+
+        Called after the node registered with ``restoring`` set (it restarted with a file
+        backend, or this index restarted and lost its entries), possibly several times, then
+        :meth:`restore_done`. A record is dropped when it does not fit its region, overlaps
+        one already kept, or its key is already published or being written (a key found on
+        two nodes is kept once). Kept records are published at once (retention and last use
+        start afresh).
+        """
+
+    @abc.abstractmethod
+    def restore_done(self, node: int) -> None:
+        """The node reported all its records: the rest of its regions take new grants."""
 
     def tick(self) -> None:
         """Periodic upkeep (lease expiry, retired slots); the owner calls it every ~0.25 s."""

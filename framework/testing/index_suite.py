@@ -56,9 +56,23 @@ def _keys(n: int) -> list[bytes]:
     return [fold_key(i, salt) for i in range(n)]
 
 
-def _node(name: str, *sizes: int) -> NodeInfo:
-    regions = tuple(RegionInfo(id=i, size=size, rkey=1000 + i) for i, size in enumerate(sizes))
-    return NodeInfo(name=name, regions=regions, endpoints=())
+def _node(name: str, *sizes: int, restoring: bool = False, rkey: int = 1000) -> NodeInfo:
+    regions = tuple(RegionInfo(id=i, size=size, rkey=rkey + i) for i, size in enumerate(sizes))
+    return NodeInfo(name=name, regions=regions, endpoints=(), restoring=restoring)
+
+
+def _record(key: bytes, offset: int, version: int, region: int = 0) -> Descriptor:
+    """A record as a node reports it after scanning its memory (node and rkey: any)."""
+    return Descriptor(
+        key=key,
+        node=0,
+        region=region,
+        offset=offset,
+        length=_VALUE,
+        rkey=0,
+        version=version,
+        crc=99,
+    )
 
 
 def _grants(index: IndexPlugin, keys: Sequence[bytes], length: int = _VALUE) -> list[Descriptor]:
@@ -330,3 +344,87 @@ class IndexConformance:
             t.join()
         assert kinds.count(AllocationKind.GRANTED) == 1
         assert kinds.count(AllocationKind.IN_FLIGHT) == 15
+
+    # -- restarts: ids, incarnations, regions, records restored -----------------------------
+
+    def test_a_node_id_is_never_given_to_another_node(self, index: IndexPlugin) -> None:
+        first = index.nodes()[0]
+        index.remove_node(first.id)
+        other = index.register_node(_node("n2", 1 << 20))
+        assert other.id != first.id
+        back = index.register_node(_node("n1", 1 << 20))
+        assert back.id == first.id
+
+    def test_every_registration_gets_a_new_incarnation(self, index: IndexPlugin) -> None:
+        first = index.nodes()[0]
+        again = index.register_node(_node("n1", 1 << 20, 1 << 20))
+        assert again.incarnation != first.incarnation
+        assert index.nodes()[0].incarnation == again.incarnation
+
+    def test_reregistering_with_fewer_regions_drops_their_entries_and_capacity(
+        self, index: IndexPlugin
+    ) -> None:
+        keys = _keys(64)
+        _put(index, keys)
+        on_region_1 = [d.key for d in index.resolve(keys) if d is not None and d.region == 1]
+        assert on_region_1
+        index.register_node(_node("n1", 1 << 20))  # region 1 is gone
+        assert index.stats()["capacity_bytes"] == 1 << 20
+        assert index.exists(on_region_1) == [False] * len(on_region_1)
+        grants = _grants(index, _keys(32))
+        assert {g.region for g in grants} == {0}
+
+    def test_a_region_whose_rkey_changed_loses_its_entries(self, index: IndexPlugin) -> None:
+        keys = _keys(8)
+        _put(index, keys)
+        index.register_node(_node("n1", 1 << 20, 1 << 20, rkey=5000))
+        assert index.exists(keys) == [False] * 8
+        assert {g.rkey for g in _grants(index, _keys(8))} <= {5000, 5001}
+
+    def test_restored_records_are_published_and_their_slots_never_granted(
+        self, make_index: MakeIndex
+    ) -> None:
+        index = make_index(IndexConfig(grace=0.0, headroom=0.0))
+        node = index.register_node(_node("n1", 4 * _SLOT, restoring=True))
+        held = _keys(2)
+        # Until the node is done reporting, its region takes no grant.
+        blocked = index.allocate([AllocationRequest(key=_keys(1)[0], length=_VALUE)])
+        assert blocked.allocations[0].kind is AllocationKind.NO_SPACE
+        kept = index.restore(node.id, [_record(held[0], 0, 7), _record(held[1], 2 * _SLOT, 8)])
+        assert kept == 2
+        found = index.lookup_prefix(held)
+        assert [(d.offset, d.version, d.crc, d.node) for d in found] == [
+            (0, 7, 99, node.id),
+            (2 * _SLOT, 8, 99, node.id),
+        ]
+        assert {d.rkey for d in found} == {1000}
+        index.restore_done(node.id)
+        grants = _grants(index, _keys(2))
+        assert sorted(g.offset for g in grants) == [_SLOT, 3 * _SLOT]
+
+    def test_a_key_reported_by_two_nodes_is_kept_once(self, make_index: MakeIndex) -> None:
+        index = make_index(IndexConfig(grace=0.0, headroom=0.0))
+        one = index.register_node(_node("n1", 1 << 20, restoring=True))
+        two = index.register_node(_node("n2", 1 << 20, restoring=True))
+        (key,) = _keys(1)
+        assert index.restore(one.id, [_record(key, 0, 5)]) == 1
+        assert index.restore(two.id, [_record(key, 0, 6)]) == 0
+        index.restore_done(one.id)
+        index.restore_done(two.id)
+        (found,) = index.resolve([key])
+        assert found is not None
+        assert found.node == one.id
+        # The second copy's space is free again: the whole of node 2 takes grants.
+        assert index.stats()["entries"] == 1
+
+    def test_restored_records_that_do_not_fit_are_dropped(self, make_index: MakeIndex) -> None:
+        index = make_index(IndexConfig(grace=0.0, headroom=0.0))
+        node = index.register_node(_node("n1", 2 * _SLOT, restoring=True))
+        a, b, c = _keys(3)
+        kept = index.restore(
+            node.id,
+            [_record(a, _SLOT, 1), _record(b, 2 * _SLOT, 2), _record(c, 0, 3, region=9)],
+        )
+        assert kept == 1
+        index.restore_done(node.id)
+        assert index.exists([a, b, c]) == [True, False, False]

@@ -12,7 +12,7 @@ import threading
 
 import attrs
 
-from kvfabric._client.dataplane import DataPlane
+from kvfabric._client.record_io import RecordIO
 from kvfabric._client.store import Store
 from kvfabric._node.node import DataNode
 from kvfabric.errors import ConfigError
@@ -70,10 +70,10 @@ def open_embedded(options: EmbeddedOptions, name: str, plugins: PluginManager) -
             )
         services.clients += 1
     try:
-        data = DataPlane({transport_name: transport_cls.create_client(config)}, [transport_name])
+        records = RecordIO({transport_name: transport_cls.create_client(config)}, [transport_name])
         return Store(
             index=services.index,
-            data=data,
+            records=records,
             options=options,
             plugins=plugins,
             on_close=[lambda: _release(name, services)],

@@ -12,7 +12,7 @@ import logging
 
 import attrs
 
-from kvfabric._client.dataplane import DataPlane
+from kvfabric._client.record_io import RecordIO
 from kvfabric._client.store import Store
 from kvfabric._control.client import ControlClient
 from kvfabric._control.remote_index import RemoteIndex
@@ -46,7 +46,7 @@ def open_remote(options: RemoteOptions, host: str, port: int, plugins: PluginMan
     try:
         store = Store(
             index=RemoteIndex(control),
-            data=DataPlane(clients, list(clients)),
+            records=RecordIO(clients, list(clients)),
             options=options,
             plugins=plugins,
             on_close=[control.close],

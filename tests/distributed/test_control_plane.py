@@ -15,8 +15,11 @@ import zmq
 
 import kvfabric
 from kvfabric import PutOutcome
+from kvfabric._control.client import ControlClient
+from kvfabric._control.remote_index import RemoteIndex
 from kvfabric._wire.protocol import MAGIC, PROTOCOL_VERSION, MsgType, decode_header, encode
 from kvfabric.keys import chain_keys
+from kvfabric.spi.index import NodeInfo
 from kvfabric.testing import Cluster, free_port
 
 
@@ -28,6 +31,14 @@ def _keys(n: int) -> list[bytes]:
 def cluster() -> Iterator[Cluster]:
     with Cluster(nodes=2, transports=("tcp", "shm")) as c:
         yield c
+
+
+def _nodes(cluster: Cluster) -> list[NodeInfo]:
+    client = ControlClient(cluster.endpoint, timeout=2.0)
+    try:
+        return RemoteIndex(client).nodes()
+    finally:
+        client.close()
 
 
 def _rpcs(cluster: Cluster) -> int:
@@ -66,7 +77,7 @@ def test_writes_spread_over_nodes_and_reads_come_back_from_each(cluster: Cluster
         keys = _keys(200)
         values = [os.urandom(10_000) for _ in keys]
         store.batched_put(keys, values)
-        nodes = {store._index.resolve([k])[0].node for k in keys[:50]}  # type: ignore[union-attr]
+        nodes = {d.node for d in store.locate(keys[:50]) if d is not None}
         assert len(nodes) == 2
         got = store.batched_get(keys)
         assert [bytes(g) if g is not None else None for g in got] == values
@@ -79,11 +90,12 @@ def test_same_host_nodes_are_read_over_shm_unless_tcp_is_forced(cluster: Cluster
         kvfabric.connect(cluster.url(transport="tcp")) as forced,
     ):
         auto.batched_put(keys, [b"x"])
-        node = auto._index.resolve(keys)[0].node  # type: ignore[union-attr]
+        (descriptor,) = auto.locate(keys)
+        assert descriptor is not None
         assert auto.batched_get(keys)[0] is not None
         assert forced.batched_get(keys)[0] is not None
-        assert auto._data.transport_of(node) == "shm"
-        assert forced._data.transport_of(node) == "tcp"
+        assert auto.records.transport_of(descriptor.node) == "shm"
+        assert forced.records.transport_of(descriptor.node) == "tcp"
 
 
 def _dealer(cluster: Cluster) -> zmq.Socket[bytes]:
@@ -143,8 +155,7 @@ def test_random_bytes_on_a_data_port_leave_it_serving(cluster: Cluster) -> None:
         keys = _keys(4)
         values = [os.urandom(5000) for _ in keys]
         store.batched_put(keys, values)
-        nodes = store._index.nodes()
-        for node in nodes:
+        for node in _nodes(cluster):
             address = next(e for e in node.endpoints if e.transport == "tcp").address
             host, port = address.decode().rsplit(":", 1)
             for junk in (os.urandom(7), os.urandom(100_000), b"\x00" * 64):

@@ -1,0 +1,428 @@
+"""The record I/O layer: moving whole records between caller buffers and data-node slots.
+
+It owns everything between "these descriptors" and "these values": routing (which transport
+reaches which node, :mod:`~kvfabric._client.routes`), framing (a record is a header segment
+then one segment per payload piece, written once here for reads and writes alike), landing
+(nodes in parallel; a large batch for one node in groups, each validated on a helper thread
+while the next lands) and validation (magic, key, version, length, CRC32C). It never talks
+to the index: the store learns membership and hands it over with :meth:`RecordIO.set_nodes`.
+
+Reads land straight in the caller's buffers (or in one fresh allocation per batch), writes
+gather straight from the caller's buffers; transports and CRC32C release the GIL while bytes
+move. Failures are reported per record, never raised: the store turns them into misses and
+counters.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import attrs
+import numpy as np
+
+from kvfabric._client.routes import Routes
+from kvfabric.descriptor import Descriptor
+from kvfabric.errors import TransportError, ValidationError
+from kvfabric.spi.buffers import byte_view, writable_view
+from kvfabric.spi.index import NodeInfo
+from kvfabric.spi.record import HEADER_SIZE, checksum_pieces, pack_header, validate_record
+from kvfabric.spi.transport import Segment, TransportClient
+
+__all__ = ["ReadReport", "RecordIO", "WriteReport", "value_pieces"]
+
+log = logging.getLogger("kvfabric")
+T = TypeVar("T")
+
+# Reads of more than this per node are landed in groups of about this size, each group
+# validated while the next one lands.
+_PIPELINE_GROUP_BYTES = 32 << 20
+
+
+@attrs.frozen(kw_only=True)
+class ReadReport:
+    """What a batch of reads came to, one entry per requested record."""
+
+    values: list[memoryview | None]
+    """The landed, validated value (a view of its buffer), or None."""
+    invalid: list[int]
+    """Indices of records that landed but failed validation (stale or foreign bytes)."""
+    payload_bytes: int
+    """Payload bytes that landed (validated or not)."""
+    failed_nodes: int
+    """Nodes that could not be used at all (unreachable, timed out): their records are None."""
+
+
+@attrs.frozen(kw_only=True)
+class WriteReport:
+    """What a batch of writes came to, one entry per record."""
+
+    crcs: list[int | None]
+    """The payload CRC32C written with each record, or None where the write failed."""
+    failed_nodes: int
+
+
+class _Read:
+    """One record being read: where it lands and whether it made it."""
+
+    __slots__ = ("descriptor", "header", "index", "key", "pieces", "refused", "result")
+
+    def __init__(
+        self,
+        index: int,
+        key: bytes,
+        descriptor: Descriptor,
+        header: memoryview,
+        pieces: list[memoryview],
+    ) -> None:
+        self.index = index
+        self.key = key
+        self.descriptor = descriptor
+        self.header = header
+        self.pieces = pieces
+        """Where the payload lands, in order (usually one buffer)."""
+        self.refused = False
+        """The node refused the read (bad rkey, out of bounds): a miss, not an invalid record."""
+        self.result: memoryview | None = None
+
+
+class RecordIO:
+    """Reads and writes records on the data nodes a store knows; thread-safe.
+
+    Public for tools and tests (``Store.records``): :meth:`read_slot` and :meth:`write_slot`
+    move raw bytes of one record's slot, and :meth:`transport_of` says which transport
+    reaches a node. The rest is the store's.
+    """
+
+    def __init__(self, clients: Mapping[str, TransportClient], preference: Sequence[str]) -> None:
+        """``clients``: a transport client per name; ``preference``: names, most preferred first."""
+        self._routes = Routes(clients, preference)
+        self._lock = threading.Lock()
+        self._io_pool: ThreadPoolExecutor | None = None
+        self._validator_pool: ThreadPoolExecutor | None = None
+
+    # -- membership ----------------------------------------------------------------------
+
+    def set_nodes(self, nodes: Sequence[NodeInfo]) -> None:
+        """Make the known data nodes exactly ``nodes`` (connects new ones, forgets gone ones)."""
+        self._routes.replace_nodes(nodes)
+
+    def reaches(self, nodes: Iterable[int]) -> bool:
+        """Whether every one of ``nodes`` has a route."""
+        return self._routes.knows_all(nodes)
+
+    def transport_of(self, node: int) -> str | None:
+        """The transport this client uses for ``node`` (None if no route)."""
+        return self._routes.transport_of(node)
+
+    # -- records -------------------------------------------------------------------------
+
+    def read(
+        self,
+        keys: Sequence[bytes],
+        descriptors: Sequence[Descriptor | None],
+        into: Sequence[Any] | None = None,
+    ) -> ReadReport:
+        """Land and validate the record of each key that has a descriptor.
+
+        ``into``: per key, a writable buffer or a list of buffers filled in order; a value
+        that does not fit is a miss. Without ``into``, values land in one new allocation.
+        """
+        values: list[memoryview | None] = [None] * len(keys)
+        per_node = _plan_reads(keys, descriptors, into)
+        if not per_node:
+            return ReadReport(values=values, invalid=[], payload_bytes=0, failed_nodes=0)
+        outcomes = self._per_node(
+            {n: functools.partial(self._read_node, n, items) for n, items in per_node.items()}
+        )
+        invalid: list[int] = []
+        landed = 0
+        failed_nodes = 0
+        for node, items in per_node.items():
+            outcome = outcomes[node]
+            if isinstance(outcome, BaseException):
+                log.warning("kvfabric: read from node %d failed (%s): misses", node, outcome)
+                failed_nodes += 1
+                continue
+            landed += outcome
+            for item in items:
+                if item.result is not None:
+                    values[item.index] = item.result
+                elif not item.refused:
+                    invalid.append(item.index)
+        return ReadReport(
+            values=values, invalid=invalid, payload_bytes=landed, failed_nodes=failed_nodes
+        )
+
+    def write(
+        self, descriptors: Sequence[Descriptor], values: Sequence[Sequence[memoryview]]
+    ) -> WriteReport:
+        """Checksum and write each record (header, then the value's pieces) into its granted slot.
+
+        Nodes are written in parallel; the CRC is taken right before the record's bytes are
+        handed to the transport, from the same buffers.
+        """
+        crcs: list[int | None] = [None] * len(descriptors)
+        per_node: dict[int, list[int]] = {}
+        for i, d in enumerate(descriptors):
+            per_node.setdefault(d.node, []).append(i)
+        if not per_node:
+            return WriteReport(crcs=crcs, failed_nodes=0)
+
+        def job(node: int, indices: list[int]) -> list[int | None]:
+            items = [(descriptors[i], values[i]) for i in indices]
+            return self._write_node(node, items)
+
+        outcomes = self._per_node(
+            {n: functools.partial(job, n, idx) for n, idx in per_node.items()}
+        )
+        failed_nodes = 0
+        for node, indices in per_node.items():
+            outcome = outcomes[node]
+            if isinstance(outcome, BaseException):
+                log.warning("kvfabric: write to node %d failed (%s): not stored", node, outcome)
+                failed_nodes += 1
+                continue
+            for i, crc in zip(indices, outcome, strict=True):
+                crcs[i] = crc
+        return WriteReport(crcs=crcs, failed_nodes=failed_nodes)
+
+    # -- raw slot access (tools and tests) -----------------------------------------------
+
+    def read_slot(self, descriptor: Descriptor, at: int, buffer: Any) -> None:
+        """Land ``len(buffer)`` raw bytes of ``descriptor``'s record, ``at`` bytes from its start.
+
+        The header is at 0 and the payload at :data:`~kvfabric.spi.record.HEADER_SIZE`;
+        nothing is validated. Raises :class:`TransportError` if the node refuses or cannot
+        be reached (call ``Store.ping()`` first to learn a node that joined later).
+        """
+        self._slot_io(descriptor, at, writable_view(buffer), write=False)
+
+    def write_slot(self, descriptor: Descriptor, at: int, buffer: Any) -> None:
+        """Store ``buffer`` as raw bytes into ``descriptor``'s record, ``at`` bytes from its start.
+
+        Behind the index's back and without a new checksum: for tests that corrupt records.
+        Same errors as :meth:`read_slot`.
+        """
+        self._slot_io(descriptor, at, byte_view(buffer), write=True)
+
+    def _slot_io(self, d: Descriptor, at: int, view: memoryview, *, write: bool) -> None:
+        if at < 0 or at + view.nbytes > HEADER_SIZE + d.length:
+            raise ValueError(
+                f"bytes [{at}, {at + view.nbytes}) lie outside a record of "
+                f"{HEADER_SIZE + d.length} bytes"
+            )
+        client = self._routes.client_for(d.node)
+        segments = [Segment(d.region, d.rkey, d.offset + at, view)]
+        errors = client.write(d.node, segments) if write else client.read(d.node, segments)
+        if errors[0] is not None:
+            raise errors[0]
+
+    def close(self) -> None:
+        """Wait for work in flight, then disconnect every node and close the transports."""
+        with self._lock:
+            pools, self._io_pool, self._validator_pool = (
+                (self._io_pool, self._validator_pool),
+                None,
+                None,
+            )
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._routes.close()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _per_node(self, jobs: Mapping[int, Callable[[], T]]) -> dict[int, T | BaseException]:
+        """Run one job per node, concurrently when there are several; errors are returned.
+
+        A batch for a single node runs inline, so the common case adds no thread hand-off.
+        """
+        if len(jobs) <= 1:
+            return {node: _call(job) for node, job in jobs.items()}
+        with self._lock:
+            if self._io_pool is None:
+                self._io_pool = ThreadPoolExecutor(8, thread_name_prefix="kvfabric-io")
+            pool = self._io_pool
+        futures = {node: pool.submit(_call, job) for node, job in jobs.items()}
+        return {node: future.result() for node, future in futures.items()}
+
+    def _read_node(self, node: int, items: list[_Read]) -> int:
+        """Land one node's records and validate them; returns payload bytes landed.
+
+        A large batch is read in a few groups, and each group is validated on a helper
+        thread while the next one lands: the CRC pass then overlaps the transfer instead of
+        following it (both release the GIL).
+        """
+        client = self._routes.client_for(node)
+        groups = _split_by_bytes(items, _PIPELINE_GROUP_BYTES)
+        if len(groups) == 1:
+            _land(client, node, items)
+            return _validate(items)
+        with self._lock:
+            if self._validator_pool is None:
+                self._validator_pool = ThreadPoolExecutor(2, thread_name_prefix="kvfabric-crc")
+            validator = self._validator_pool
+        pending: Future[int] | None = None
+        landed = 0
+        try:
+            for group in groups:
+                _land(client, node, group)
+                if pending is not None:
+                    landed += pending.result()
+                pending = validator.submit(_validate, group)
+        finally:
+            # Never leave a validation running against buffers the caller gets back.
+            if pending is not None:
+                landed += pending.result()
+        return landed
+
+    def _write_node(
+        self, node: int, items: list[tuple[Descriptor, Sequence[memoryview]]]
+    ) -> list[int | None]:
+        client = self._routes.client_for(node)
+        segments: list[Segment] = []
+        spans: list[int] = []
+        crcs: list[int] = []
+        for d, pieces in items:
+            crc = checksum_pieces(pieces)
+            crcs.append(crc)
+            head = memoryview(pack_header(d.key, d.version, d.length, crc))
+            spans.append(_frame(d, head, pieces, segments))
+        errors = client.write(node, segments)
+        return [
+            crc if ok else None for crc, ok in zip(crcs, _per_record(errors, spans), strict=True)
+        ]
+
+
+# -- framing -------------------------------------------------------------------------------
+
+
+def _frame(
+    d: Descriptor, head: memoryview, pieces: Sequence[memoryview], out: list[Segment]
+) -> int:
+    """Append one record's segments (header, then each payload piece); returns how many."""
+    out.append(Segment(d.region, d.rkey, d.offset, head))
+    offset = d.offset + HEADER_SIZE
+    for piece in pieces:
+        out.append(Segment(d.region, d.rkey, offset, piece))
+        offset += piece.nbytes
+    return 1 + len(pieces)
+
+
+def _per_record(errors: Sequence[TransportError | None], spans: Sequence[int]) -> list[bool]:
+    """Whether every segment of each record went through, from per-segment errors."""
+    ok: list[bool] = []
+    start = 0
+    for span in spans:
+        ok.append(all(e is None for e in errors[start : start + span]))
+        start += span
+    return ok
+
+
+def _plan_reads(
+    keys: Sequence[bytes], descriptors: Sequence[Descriptor | None], into: Sequence[Any] | None
+) -> dict[int, list[_Read]]:
+    """Where each record lands, grouped by node (records without a descriptor are skipped)."""
+    headers = memoryview(bytearray(HEADER_SIZE * len(keys)))
+    per_node: dict[int, list[_Read]] = {}
+    arena: memoryview | None = None
+    used = 0
+    if into is None:
+        # One uninitialised allocation for the batch: a bytearray per value would be
+        # zero-filled page by page while holding the GIL, and a malloc per value costs
+        # an mmap each; here the first touch of each page is the GIL-free copy.
+        arena = np.empty(sum(d.length for d in descriptors if d), dtype=np.uint8).data
+    for i, d in enumerate(descriptors):
+        if d is None:
+            continue
+        if arena is not None:
+            pieces = [arena[used : used + d.length]]
+            used += d.length
+        else:
+            assert into is not None
+            landing = _landing_pieces(into[i], d.length)
+            if landing is None:
+                log.warning(
+                    "kvfabric: buffers for key %d hold less than %d bytes: miss", i, d.length
+                )
+                continue
+            pieces = landing
+        header = headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
+        per_node.setdefault(d.node, []).append(_Read(i, keys[i], d, header, pieces))
+    return per_node
+
+
+def _land(client: TransportClient, node: int, items: list[_Read]) -> None:
+    segments: list[Segment] = []
+    spans = [_frame(item.descriptor, item.header, item.pieces, segments) for item in items]
+    errors = client.read(node, segments)
+    for item, ok in zip(items, _per_record(errors, spans), strict=True):
+        item.refused = not ok
+
+
+def _validate(items: list[_Read]) -> int:
+    landed = 0
+    for item in items:
+        if item.refused:
+            continue
+        landed += item.descriptor.length
+        try:
+            validate_record(item.header, item.pieces, item.descriptor, item.key)
+        except ValidationError as exc:
+            log.info("kvfabric: record for key %s invalid (%s): miss", item.key.hex(), exc)
+            continue
+        item.result = item.pieces[0]
+    return landed
+
+
+def _split_by_bytes(items: list[_Read], group_bytes: int) -> list[list[_Read]]:
+    groups: list[list[_Read]] = [[]]
+    size = 0
+    for item in items:
+        if size >= group_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += item.descriptor.length
+    return groups
+
+
+def value_pieces(value: Any) -> list[memoryview]:
+    """A value as flat views: one buffer, or a list of buffers concatenated."""
+    if isinstance(value, list | tuple):
+        return [byte_view(piece) for piece in value]
+    return [byte_view(value)]
+
+
+def _landing_pieces(target: Any, length: int) -> list[memoryview] | None:
+    """The views a value of ``length`` bytes lands in: one buffer, or several in order.
+
+    None when they hold less than ``length`` bytes.
+    """
+    buffers = target if isinstance(target, list | tuple) else (target,)
+    pieces: list[memoryview] = []
+    need = length
+    for buffer in buffers:
+        if need == 0:
+            break
+        view = writable_view(buffer)
+        take = min(view.nbytes, need)
+        pieces.append(view[:take])
+        need -= take
+    if need or not buffers:
+        return None
+    if not pieces:  # an empty value still lands "somewhere", for a uniform read path
+        pieces.append(writable_view(buffers[0])[:0])
+    return pieces
+
+
+def _call(job: Callable[[], T]) -> T | BaseException:
+    try:
+        return job()
+    except Exception as exc:
+        return exc

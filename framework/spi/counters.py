@@ -1,4 +1,10 @@
-"""Thread-safe named counters for a client's ``stats()``."""
+"""Thread-safe named counters for a client's ``stats()``.
+
+Failures are counted, not raised, on the read path: ``controller_unavailable`` (no answer in
+time), ``controller_errors`` (an error reply or a malformed reply), ``transport_failures``
+(a data node that could not be used for a batch), ``validation_failures`` (a landed record
+that did not match), ``put_failures`` and ``delete_failures``.
+"""
 
 from __future__ import annotations
 
@@ -25,9 +31,11 @@ CLIENT_COUNTERS = (
     "no_space",
     "put_failures",
     "deletes",
+    "delete_failures",
     "validation_failures",
     "transport_failures",
     "controller_unavailable",
+    "controller_errors",
     "evictions",
 )
 

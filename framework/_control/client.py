@@ -1,15 +1,23 @@
 """The client side of the control protocol: request/reply over ZeroMQ, bounded in time.
 
-Each calling thread gets its own DEALER socket (ZeroMQ sockets are not thread-safe), so
-concurrent lookups do not queue behind each other. A call that finds no connected controller
-fails at once; one that gets no reply within ``timeout`` fails, its socket is replaced (so a
-late reply or a queued request cannot surface later), and further calls fail fast for
-``retry_interval`` before the next attempt. ZeroMQ reconnects on its own, so a restarted
-controller is picked up without recreating anything; the reply's epoch tells that it restarted.
+Each call checks a DEALER socket out of a small pool and returns it when done (ZeroMQ sockets
+are not thread-safe, and a socket per call would cost a TCP handshake each), so concurrent
+lookups do not queue behind each other, and a thread that made a call and ended holds
+nothing: the pool keeps at most :data:`IDLE_SOCKETS` idle sockets, closing the rest.
+A call that finds no connected controller fails at once; one that gets no reply within
+``timeout`` fails, its socket is closed (so a late reply or a queued request cannot surface
+later), and further calls fail fast for ``retry_interval`` before the next attempt. ZeroMQ
+reconnects on its own, so a restarted controller is picked up without recreating anything;
+the reply's epoch tells that it restarted.
+
+An ``ERROR`` reply becomes a :class:`ControllerRefusedError` carrying the reply's
+:class:`~kvfabric._wire.protocol.ErrorCode` as a field (``UNKNOWN_NODE`` as its subclass
+:class:`UnknownNodeError`); callers branch on the code, never on the message.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -22,10 +30,21 @@ from kvfabric._wire.protocol import REPLY_BIT, ErrorCode, MsgType, decode_header
 from kvfabric.errors import ControllerUnavailableError, ProtocolError, RemoteError
 from kvfabric.spi.codec import Reader
 
-__all__ = ["ControlClient", "UnknownNodeError"]
+__all__ = ["IDLE_SOCKETS", "ControlClient", "ControllerRefusedError", "UnknownNodeError"]
+
+IDLE_SOCKETS = 4
+"""Idle control sockets a client keeps for the next calls (each holds two fds)."""
 
 
-class UnknownNodeError(RemoteError):
+class ControllerRefusedError(RemoteError):
+    """The controller answered a request with an ``ERROR`` reply; ``code`` says why."""
+
+    def __init__(self, code: ErrorCode | int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class UnknownNodeError(ControllerRefusedError):
     """The controller does not know this node (it restarted, or dropped the node)."""
 
 
@@ -46,48 +65,49 @@ class ControlClient:
         self._credentials = credentials
         self.on_epoch_change = on_epoch_change
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._local = threading.local()
-        self._sockets: set[zmq.Socket[bytes]] = set()
+        self._idle: list[zmq.Socket[bytes]] = []
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._down_until = 0.0
         self._closed = False
 
-    def _socket(self) -> zmq.Socket[bytes]:
-        sock: zmq.Socket[bytes] | None = getattr(self._local, "socket", None)
-        if sock is None:
-            sock = self._context.socket(zmq.DEALER)
-            sock.linger = 0
-            sock.immediate = True  # never queue requests for a controller that is not there
-            sock.reconnect_ivl = 100
-            sock.reconnect_ivl_max = 1000
-            if self._credentials is not None:
-                self._credentials.secure_client(sock)
-            sock.connect(self.endpoint)
-            with self._lock:
-                if self._closed:
-                    sock.close()
-                    raise ControllerUnavailableError("control client is closed")
-                self._sockets.add(sock)
-            self._local.socket = sock
+    def _checkout(self) -> zmq.Socket[bytes]:
+        with self._lock:
+            if self._closed:
+                raise ControllerUnavailableError("control client is closed")
+            if self._idle:
+                return self._idle.pop()
+        sock = self._context.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.immediate = True  # never queue requests for a controller that is not there
+        sock.reconnect_ivl = 100
+        sock.reconnect_ivl_max = 1000
+        if self._credentials is not None:
+            self._credentials.secure_client(sock)
+        sock.connect(self.endpoint)
         return sock
 
-    def _drop_socket(self) -> None:
-        sock: zmq.Socket[bytes] | None = getattr(self._local, "socket", None)
-        if sock is not None:
-            self._local.socket = None
-            with self._lock:
-                self._sockets.discard(sock)
-            sock.close(linger=0)
+    def _checkin(self, sock: zmq.Socket[bytes]) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < IDLE_SOCKETS:
+                self._idle.append(sock)
+                return
+        sock.close(linger=0)
 
-    def call(self, msg_type: MsgType, body: bytes = b"") -> Reader:
-        """Send one request and return a reader over the reply body."""
+    def call(self, msg_type: MsgType, body: bytes = b"", *, timeout: float | None = None) -> Reader:
+        """Send one request and return a reader over the reply body.
+
+        ``timeout`` bounds this call instead of the client's ``timeout``. Raises
+        :class:`ControllerUnavailableError` when no reply comes, and
+        :class:`ControllerRefusedError` for an ``ERROR`` reply.
+        """
         now = time.monotonic()
         if now < self._down_until:
             raise ControllerUnavailableError(f"controller {self.endpoint} is down (retrying)")
         request_id = next(self._ids)
-        deadline = now + self.timeout
-        sock = self._socket()
+        limit = self.timeout if timeout is None else timeout
+        deadline = now + limit
+        sock = self._checkout()
         frame = encode(msg_type, request_id, body)
         try:
             try:
@@ -100,25 +120,30 @@ class ControlClient:
             while True:
                 if not sock.poll(self._remaining_ms(deadline), zmq.POLLIN):
                     raise ControllerUnavailableError(
-                        f"controller {self.endpoint} did not answer within {self.timeout:g}s"
+                        f"controller {self.endpoint} did not answer within {limit:g}s"
                     )
                 frame = sock.recv(zmq.NOBLOCK)
                 header, reader = decode_header(frame)
                 if header.request_id == request_id:
                     break  # anything else is a late reply to an abandoned request
-        except (ControllerUnavailableError, zmq.ZMQError) as exc:
-            self._drop_socket()
-            self._down_until = time.monotonic() + self.retry_interval
-            if isinstance(exc, ControllerUnavailableError):
-                raise
-            raise ControllerUnavailableError(f"controller {self.endpoint}: {exc}") from exc
+        except BaseException as exc:
+            # This socket may still get the reply (or hold the request): never reuse it.
+            sock.close(linger=0)
+            if isinstance(exc, ControllerUnavailableError | zmq.ZMQError):
+                self._down_until = time.monotonic() + self.retry_interval
+            if isinstance(exc, zmq.ZMQError):
+                raise ControllerUnavailableError(f"controller {self.endpoint}: {exc}") from exc
+            raise
+        self._checkin(sock)
         self._down_until = 0.0
         self._note_epoch(header.epoch)
         if header.type == MsgType.ERROR:
             code, message = read_error(reader)
-            if code == ErrorCode.UNKNOWN_NODE:
-                raise UnknownNodeError(message)
-            raise RemoteError(f"controller refused {msg_type.name}: {message} (code {code})")
+            known: ErrorCode | int = code
+            with contextlib.suppress(ValueError):
+                known = ErrorCode(code)
+            error = UnknownNodeError if known == ErrorCode.UNKNOWN_NODE else ControllerRefusedError
+            raise error(known, f"controller refused {msg_type.name}: {message} (code {code})")
         if header.type != msg_type | REPLY_BIT:
             raise ProtocolError(f"reply of type {header.type} to a {msg_type.name} request")
         return reader
@@ -134,8 +159,9 @@ class ControlClient:
         return max(0, int((deadline - time.monotonic()) * 1000))
 
     def close(self) -> None:
+        """Close the idle sockets; a call in flight closes its own when it ends."""
         with self._lock:
             self._closed = True
-            sockets, self._sockets = self._sockets, set()
+            sockets, self._idle = self._idle, []
         for sock in sockets:
             sock.close(linger=0)

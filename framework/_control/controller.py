@@ -2,8 +2,10 @@
 
 It owns the index and the slot maps of every data node, never payload bytes. Each request
 is decoded, served from the in-memory index (microseconds per key, so inline in the loop),
-and answered; any frame it cannot serve gets an ERROR reply and the loop goes on. Data nodes
-register and heartbeat; a node silent for ``node_timeout`` is dropped with all its entries.
+and answered; any frame it cannot serve gets an ERROR reply (its code taken from the error,
+never from the message) and the loop goes on. Data nodes register and heartbeat; a node that
+deregisters (it is stopping) is dropped with all its entries at once, and a node silent for
+``node_timeout`` the same way.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class Controller:
             MsgType.STATS: self._stats,
             MsgType.REGISTER_NODE: self._register_node,
             MsgType.HEARTBEAT: self._heartbeat,
+            MsgType.DEREGISTER_NODE: self._deregister_node,
         }
 
     # -- serving ---------------------------------------------------------------------------
@@ -169,7 +172,7 @@ class Controller:
             return self._error(request_id, exc.code, str(exc))
         except ProtocolError as exc:
             self._counters["bad_frames"] += 1
-            code = ErrorCode.BAD_VERSION if "version" in str(exc) else ErrorCode.BAD_FRAME
+            code = exc.code if isinstance(exc, p.FrameError) else ErrorCode.BAD_FRAME
             return self._error(request_id, code, str(exc))
         except Exception as exc:  # one bad request must never stop the controller
             log.exception("controller: internal error serving a request")
@@ -184,9 +187,7 @@ class Controller:
         now = time.monotonic()
         for node, seen in list(self._last_seen.items()):
             if now - seen > self.node_timeout:
-                dropped = self.index.remove_node(node)
-                del self._last_seen[node]
-                self._node_stats.pop(node, None)
+                dropped = self._drop_node(node)
                 self._counters["nodes_dropped"] += 1
                 log.warning(
                     "node %d missed heartbeats for %.1fs: dropped with %d entries",
@@ -194,6 +195,12 @@ class Controller:
                     now - seen,
                     dropped,
                 )
+
+    def _drop_node(self, node: int) -> int:
+        dropped = self.index.remove_node(node)
+        self._last_seen.pop(node, None)
+        self._node_stats.pop(node, None)
+        return dropped
 
     # -- handlers --------------------------------------------------------------------------
 
@@ -237,6 +244,19 @@ class Controller:
         self._node_stats[node] = counters
         return b""
 
+    def _deregister_node(self, r: Reader) -> bytes:
+        node, incarnation = p.read_deregister(r)
+        r.end()  # validated whole before it has an effect
+        known = next((n for n in self.index.nodes() if n.id == node), None)
+        if known is None or node not in self._last_seen or known.incarnation != incarnation:
+            raise _Refusal(
+                ErrorCode.UNKNOWN_NODE, f"node {node} incarnation {incarnation} is not registered"
+            )
+        dropped = self._drop_node(node)
+        self._counters["nodes_deregistered"] += 1
+        log.info("node %d (%s) deregistered: dropped with %d entries", node, known.name, dropped)
+        return b""
+
     def _stats(self, r: Reader) -> bytes:
         scopes: dict[str, dict[str, int]] = {
             "controller": {
@@ -244,6 +264,8 @@ class Controller:
                 "node_rpcs": 0,
                 "bad_frames": 0,
                 "refused": 0,
+                "nodes_dropped": 0,
+                "nodes_deregistered": 0,
                 **self._counters,
             },
             "index": self.index.stats(),

@@ -10,9 +10,14 @@ fixed-layout fields (``struct``; never pickle)::
 A reply carries the request's type with :data:`REPLY_BIT` set, the request's id, and the
 controller's *epoch* — a random number drawn when the controller starts, so a client can
 tell that the controller restarted (its node ids and descriptors are then stale). A request
-the controller cannot serve gets an ``ERROR`` reply with a code and a message; the
-controller never drops a well-addressed frame silently and never stops serving because of
-one.
+the controller cannot serve gets an ``ERROR`` reply with an :class:`ErrorCode` and a message;
+the controller never drops a well-addressed frame silently and never stops serving because
+of one. Codes travel as fields: a decoding failure is a :class:`FrameError` carrying its
+code, and the reply's code is what clients branch on, never the message text.
+
+A data node registers (``REGISTER_NODE``), heartbeats (``HEARTBEAT``) and, when it stops,
+deregisters (``DEREGISTER_NODE``: node id and the incarnation its registration was given,
+so a stale request never removes a newer registration of the same node).
 """
 
 from __future__ import annotations
@@ -43,10 +48,13 @@ __all__ = [
     "PROTOCOL_VERSION",
     "REPLY_BIT",
     "ErrorCode",
+    "FrameError",
     "Header",
     "MsgType",
     "decode_header",
     "encode",
+    "read_deregister",
+    "write_deregister",
 ]
 
 MAGIC = b"KVFC"
@@ -68,6 +76,7 @@ class MsgType(enum.IntEnum):
     STATS = 9
     REGISTER_NODE = 10
     HEARTBEAT = 11
+    DEREGISTER_NODE = 12
     ERROR = 0x7FFF
 
 
@@ -77,6 +86,14 @@ class ErrorCode(enum.IntEnum):
     BAD_VERSION = 3
     UNKNOWN_NODE = 4
     INTERNAL = 5
+
+
+class FrameError(ProtocolError):
+    """A frame this side cannot decode; ``code`` is what an ``ERROR`` reply to it carries."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @attrs.frozen
@@ -93,12 +110,17 @@ def encode(msg_type: int, request_id: int, body: bytes = b"", epoch: int = 0) ->
 def decode_header(frame: bytes) -> tuple[Header, Reader]:
     """Parse the header; raise ProtocolError for anything that is not a kvfabric frame."""
     if len(frame) < HEADER.size:
-        raise ProtocolError(f"frame of {len(frame)} bytes is shorter than the header")
+        raise FrameError(
+            ErrorCode.BAD_FRAME, f"frame of {len(frame)} bytes is shorter than the header"
+        )
     magic, version, msg_type, request_id, epoch = HEADER.unpack_from(frame)
     if magic != MAGIC:
-        raise ProtocolError("bad magic: not a kvfabric control frame")
+        raise FrameError(ErrorCode.BAD_FRAME, "bad magic: not a kvfabric control frame")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version}; this side speaks {PROTOCOL_VERSION}")
+        raise FrameError(
+            ErrorCode.BAD_VERSION,
+            f"protocol version {version}; this side speaks {PROTOCOL_VERSION}",
+        )
     return Header(msg_type, request_id, epoch), Reader(frame, HEADER.size)
 
 
@@ -232,6 +254,15 @@ def write_counters(counters: dict[str, int]) -> Writer:
 
 def read_counters(r: Reader) -> dict[str, int]:
     return {r.text(256): r.u64() for _ in range(r.count(12, 4096))}
+
+
+def write_deregister(node: int, incarnation: int) -> bytes:
+    return Writer().u32(node).u64(incarnation).getvalue()
+
+
+def read_deregister(r: Reader) -> tuple[int, int]:
+    """(node id, incarnation) of a ``DEREGISTER_NODE`` request."""
+    return r.u32(), r.u64()
 
 
 def write_error(code: ErrorCode, message: str) -> bytes:

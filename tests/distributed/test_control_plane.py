@@ -17,7 +17,15 @@ import kvfabric
 from kvfabric import PutOutcome
 from kvfabric._control.client import ControlClient
 from kvfabric._control.remote_index import RemoteIndex
-from kvfabric._wire.protocol import MAGIC, PROTOCOL_VERSION, MsgType, decode_header, encode
+from kvfabric._wire.protocol import (
+    MAGIC,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    MsgType,
+    decode_header,
+    encode,
+    write_deregister,
+)
 from kvfabric.keys import chain_keys
 from kvfabric.spi.index import NodeInfo
 from kvfabric.testing import Cluster, free_port
@@ -106,27 +114,32 @@ def _dealer(cluster: Cluster) -> zmq.Socket[bytes]:
     return sock
 
 
+_BAD, _VERSION, _TYPE = ErrorCode.BAD_FRAME, ErrorCode.BAD_VERSION, ErrorCode.UNKNOWN_TYPE
+
+
 @pytest.mark.parametrize(
-    ("frames", "expect"),
+    ("frames", "code", "expect"),
     [
-        ([b"garbage"], "shorter than the header"),
-        ([b"X" * 40], "bad magic"),
-        ([struct.pack("<4sHHQQ", MAGIC, 99, 2, 7, 0)], "protocol version"),
-        ([encode(1234, 7)], "unknown message type"),
-        ([encode(MsgType.LOOKUP_PREFIX, 7, struct.pack("<I", 5) + b"k" * 10)], "does not fit"),
-        ([encode(MsgType.LOOKUP_PREFIX, 7, struct.pack("<I", 10**9))], "does not fit"),
-        ([encode(MsgType.NODES, 7, b"trailing")], "unexpected bytes"),
+        ([b"garbage"], _BAD, "shorter than the header"),
+        ([b"X" * 40], _BAD, "bad magic"),
+        ([struct.pack("<4sHHQQ", MAGIC, 99, 2, 7, 0)], _VERSION, "protocol version"),
+        ([encode(1234, 7)], _TYPE, "unknown message type"),
+        ([encode(MsgType.LOOKUP_PREFIX, 7, struct.pack("<I", 5) + b"k" * 10)], _BAD, "not fit"),
+        ([encode(MsgType.LOOKUP_PREFIX, 7, struct.pack("<I", 10**9))], _BAD, "does not fit"),
+        ([encode(MsgType.NODES, 7, b"trailing")], _BAD, "unexpected bytes"),
+        ([encode(MsgType.DEREGISTER_NODE, 7, b"\x01")], _BAD, "too short"),
+        ([encode(MsgType.DEREGISTER_NODE, 7, write_deregister(1, 5) + b"x")], _BAD, "unexpected"),
     ],
 )
 def test_malformed_frames_get_an_error_reply_and_the_controller_keeps_serving(
-    cluster: Cluster, frames: list[bytes], expect: str
+    cluster: Cluster, frames: list[bytes], code: ErrorCode, expect: str
 ) -> None:
     sock = _dealer(cluster)
     try:
         sock.send_multipart(frames)
         header, reader = decode_header(sock.recv())
         assert header.type == MsgType.ERROR
-        reader.u32()
+        assert reader.u32() == code
         assert expect in reader.text()
     finally:
         sock.close()
@@ -134,6 +147,23 @@ def test_malformed_frames_get_an_error_reply_and_the_controller_keeps_serving(
         keys = _keys(3)
         store.batched_put(keys, [b"a", b"b", b"c"])
         assert store.batched_contains(keys) == 3
+
+
+def test_a_deregistration_naming_another_incarnation_is_refused_and_changes_nothing(
+    cluster: Cluster,
+) -> None:
+    (first, *_) = _nodes(cluster)
+    sock = _dealer(cluster)
+    try:
+        body = write_deregister(first.id, first.incarnation + 1)
+        sock.send(encode(MsgType.DEREGISTER_NODE, 7, body))
+        header, reader = decode_header(sock.recv())
+        assert header.type == MsgType.ERROR
+        assert reader.u32() == ErrorCode.UNKNOWN_NODE
+    finally:
+        sock.close()
+    assert cluster.node_names() == ["node0", "node1"]
+    assert cluster.stats()["controller"]["nodes_deregistered"] == 0
 
 
 def test_random_bytes_on_the_control_port_leave_it_serving(cluster: Cluster) -> None:

@@ -215,3 +215,26 @@ def test_serve_runs_controller_and_node_in_one_process() -> None:
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0
+
+
+def test_a_node_stopped_with_sigterm_deregisters_and_its_entries_go_at_once() -> None:
+    # With a 60 s heartbeat timeout, only the node's own deregistration can remove it within
+    # the bound below.
+    with Cluster(nodes=2, transports=("tcp",), controller_args=["--node-timeout", "60s"]) as c:
+        with kvfabric.connect(c.url()) as store:
+            keys = _keys(40)
+            store.batched_put(keys, [os.urandom(1000) for _ in keys])
+            placement = _by_node(c, store, keys)
+            assert set(placement) == {"node0", "node1"}
+            c.signal_node(0, signal.SIGTERM)
+            assert c.nodes[0] is not None
+            assert c.nodes[0].popen.wait(timeout=30) == 0
+            names = c.node_names()
+            assert names == ["node1"]
+            gone = [keys[i] for i in placement["node0"]]
+            kept = [keys[i] for i in placement["node1"]]
+            assert store.batched_exists(gone) == [False] * len(gone)
+            assert store.batched_exists(kept) == [True] * len(kept)
+        controller = c.stats()["controller"]
+        assert controller["nodes_deregistered"] == 1
+        assert controller["nodes_dropped"] == 0

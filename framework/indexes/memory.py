@@ -1,9 +1,16 @@
-"""The in-memory index: entries, grants with leases, eviction, retired slots.
+"""The in-memory index: entries, grants with leases, eviction, retired slots, restores.
 
 One lock guards everything; every method is one batched call and does O(1) or O(log n)
 work per key. Slots of removed entries are *retired*, not freed: a reader may still hold
 their descriptor, so they are reused only after ``grace`` seconds, under a new version, and a
 stale read can only fail validation — never return another key's bytes.
+
+When a put does not fit, the index makes room that is *usable*: it prices contiguous
+windows around the least recently used entries and retired slots (see
+:mod:`kvfabric.indexes.memory_space`) and evicts the cheapest, so the value fits at once.
+Slots in such a window are reused before their grace period ends: the grace is a courtesy
+to readers (fewer validation misses), and turning it into a refused put would cost the
+cache its hit rate. A value larger than any region is refused up front, evicting nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from kvfabric.descriptor import Descriptor
+from kvfabric.indexes.memory_space import Plan, RegionSpace
 from kvfabric.spi import (
     SLOT_ALIGN,
     AllocateResult,
@@ -30,7 +38,6 @@ from kvfabric.spi import (
     NodeEndpoint,
     NodeInfo,
     Registry,
-    SlotAllocator,
     hookimpl,
     record_size,
 )
@@ -39,6 +46,34 @@ __all__ = ["MemoryIndex"]
 
 # How many of the least recently used entries an eviction compares (sampled LRU).
 _EVICTION_SAMPLE = 8
+# How many candidate windows (around the oldest entries, and around retired slots) a put
+# that does not fit prices before evicting the cheapest.
+_WINDOW_SEEDS = 16
+
+_COUNTERS = (
+    "lookups",
+    "lookup_keys",
+    "prefix_hits",
+    "resolves",
+    "resolve_hits",
+    "exists_calls",
+    "grants",
+    "dedup_hits",
+    "in_flight",
+    "no_space",
+    "oversize",
+    "published",
+    "publish_rejected",
+    "aborted",
+    "unpublished",
+    "evictions",
+    "early_reuse",
+    "lease_expiries",
+    "invalid_reports",
+    "restored",
+    "restore_duplicates",
+    "restore_overlaps",
+)
 
 
 class _State(enum.Enum):
@@ -56,20 +91,6 @@ class _Entry:
         self.lease_deadline = lease_deadline
         self.last_use = 0.0
         self.retention = 0
-
-
-class _RegionSlots:
-    __slots__ = ("allocator", "node", "region", "restored", "rkey", "size")
-
-    def __init__(self, node: int, region: int, rkey: int, size: int, *, restoring: bool) -> None:
-        self.node = node
-        self.region = region
-        self.rkey = rkey
-        self.size = size
-        # While the node reports its records, nothing is free: a grant must not land on a
-        # record not reported yet. ``restored`` collects their slots until the node is done.
-        self.allocator = SlotAllocator(0 if restoring else size, SLOT_ALIGN)
-        self.restored: list[tuple[int, int]] | None = [] if restoring else None
 
 
 class MemoryIndex(IndexPlugin):
@@ -104,9 +125,10 @@ class MemoryIndex(IndexPlugin):
         self._entries: dict[bytes, _Entry] = {}
         self._lru: OrderedDict[bytes, None] = OrderedDict()
         self._pending: deque[tuple[float, bytes, int]] = deque()
-        self._retired: deque[tuple[float, _RegionSlots, int, int]] = deque()
+        # (reusable at, region, offset, retirement token), oldest first.
+        self._retired: deque[tuple[float, RegionSpace, int, int]] = deque()
         self._retired_bytes = 0
-        self._regions: dict[tuple[int, int], _RegionSlots] = {}
+        self._regions: dict[tuple[int, int], RegionSpace] = {}
         self._nodes: dict[int, NodeInfo] = {}
         self._node_ids: dict[str, int] = {}
         self._next_node_id = 0
@@ -114,30 +136,7 @@ class MemoryIndex(IndexPlugin):
         # Seeded from the wall clock so a restarted index never reissues a version that
         # records from before the restart may still carry.
         self._next_version = time.time_ns()
-        self._counters = dict.fromkeys(
-            (
-                "lookups",
-                "lookup_keys",
-                "prefix_hits",
-                "resolves",
-                "resolve_hits",
-                "exists_calls",
-                "grants",
-                "dedup_hits",
-                "in_flight",
-                "no_space",
-                "published",
-                "publish_rejected",
-                "aborted",
-                "unpublished",
-                "evictions",
-                "lease_expiries",
-                "restored",
-                "restore_duplicates",
-                "restore_overlaps",
-            ),
-            0,
-        )
+        self._counters = dict.fromkeys(_COUNTERS, 0)
 
     # -- nodes -------------------------------------------------------------------------
 
@@ -161,20 +160,19 @@ class MemoryIndex(IndexPlugin):
             )
             self._nodes[node_id] = registered
             wanted = {region.id: region for region in info.regions}
-            for (node, region_id), slots in list(self._regions.items()):
+            for (node, region_id), space in list(self._regions.items()):
                 if node != node_id:
                     continue
                 region = wanted.get(region_id)
                 if (
                     info.restoring
                     or region is None
-                    or (region.rkey, region.size) != (slots.rkey, slots.size)
+                    or (region.rkey, region.size) != (space.rkey, space.size)
                 ):
-                    self._drop_region_entries(slots)
-                    del self._regions[(node, region_id)]
+                    self._drop_region(space)
             for region in info.regions:
                 if (node_id, region.id) not in self._regions:
-                    self._regions[(node_id, region.id)] = _RegionSlots(
+                    self._regions[(node_id, region.id)] = RegionSpace(
                         node_id, region.id, region.rkey, region.size, restoring=info.restoring
                     )
             return registered
@@ -183,76 +181,54 @@ class MemoryIndex(IndexPlugin):
         with self._lock:
             if self._nodes.pop(node, None) is None:
                 return 0
-            dropped = 0
-            for region_id in [r for (n, r) in self._regions if n == node]:
-                dropped += self._drop_region_entries(self._regions.pop((node, region_id)))
-            return dropped
+            spaces = [s for (n, _), s in self._regions.items() if n == node]
+            return sum(self._drop_region(space) for space in spaces)
+
+    def _drop_region(self, space: RegionSpace) -> int:
+        del self._regions[(space.node, space.region)]
+        for key, _ in space.occupants.values():
+            self._entries.pop(key, None)
+            self._lru.pop(key, None)
+        self._retired = deque(r for r in self._retired if r[1] is not space)
+        self._retired_bytes -= sum(size for size, _ in space.retired.values())
+        return len(space.occupants)
 
     def restore(self, node: int, records: Sequence[Descriptor]) -> int:
         with self._lock:
             now = self._clock()
             kept = 0
             for record in records:
-                slots = self._regions.get((node, record.region))
-                if slots is None or slots.restored is None:
+                space = self._regions.get((node, record.region))
+                if space is None or space.restored is None:
                     continue
                 size = record_size(record.length)
-                if record.offset % SLOT_ALIGN or record.offset + size > slots.size:
+                if record.offset % SLOT_ALIGN or record.offset + size > space.size:
                     continue
-                known = self._entries.get(record.key)
-                if known is not None:
+                if record.key in self._entries or record.offset in space.occupants:
                     self._counters["restore_duplicates"] += 1
                     continue
-                descriptor = attrs.evolve(record, node=node, rkey=slots.rkey)
+                descriptor = attrs.evolve(record, node=node, rkey=space.rkey)
                 entry = _Entry(descriptor, size, lease_deadline=0.0)
                 entry.state = _State.PUBLISHED
                 entry.last_use = now
                 self._entries[record.key] = entry
                 self._lru[record.key] = None
-                slots.restored.append((record.offset, size))
+                space.occupy(record.offset, size, record.key)
                 kept += 1
             self._counters["restored"] += kept
             return kept
 
     def restore_done(self, node: int) -> None:
         with self._lock:
-            for (owner, _), slots in self._regions.items():
-                if owner != node or slots.restored is None:
+            for (owner, _), space in self._regions.items():
+                if owner != node or space.restored is None:
                     continue
-                used: list[tuple[int, int]] = []
-                end = 0
-                # Reported records that overlap (a confused or hostile node) lose to the one
-                # at the lower offset; their entries go, so nothing points into shared space.
-                for offset, size in sorted(slots.restored):
-                    if offset < end:
-                        self._drop_entry_at(slots, offset)
-                        continue
-                    used.append((offset, size))
-                    end = offset + size
-                slots.allocator = SlotAllocator(slots.size, SLOT_ALIGN, used)
-                slots.restored = None
-
-    def _drop_entry_at(self, slots: _RegionSlots, offset: int) -> None:
-        for key, entry in list(self._entries.items()):
-            d = entry.descriptor
-            if (d.node, d.region, d.offset) == (slots.node, slots.region, offset):
-                del self._entries[key]
-                self._lru.pop(key, None)
-                self._counters["restore_overlaps"] += 1
-                return
-
-    def _drop_region_entries(self, slots: _RegionSlots) -> int:
-        doomed = [
-            key
-            for key, e in self._entries.items()
-            if e.descriptor.node == slots.node and e.descriptor.region == slots.region
-        ]
-        for key in doomed:
-            del self._entries[key]
-            self._lru.pop(key, None)
-        self._retired = deque(r for r in self._retired if r[1] is not slots)
-        self._retired_bytes = sum(r[3] for r in self._retired)
-        return len(doomed)
+                keys, retired_bytes = space.finish_restore()
+                self._retired_bytes -= retired_bytes
+                for key in keys:
+                    self._entries.pop(key, None)
+                    self._lru.pop(key, None)
+                self._counters["restore_overlaps"] += len(keys)
 
     def nodes(self) -> list[NodeInfo]:
         with self._lock:
@@ -330,6 +306,11 @@ class MemoryIndex(IndexPlugin):
             self._counters["in_flight"] += 1
             return Allocation(kind=AllocationKind.IN_FLIGHT)
         size = record_size(req.length)
+        if size > max((s.size for s in self._regions.values()), default=0):
+            # It could never fit: refuse it without evicting anything for it.
+            self._counters["no_space"] += 1
+            self._counters["oversize"] += 1
+            return Allocation(kind=AllocationKind.NO_SPACE)
         placed = self._fit(size)
         if placed is None:
             self._make_room(size, now)
@@ -337,20 +318,21 @@ class MemoryIndex(IndexPlugin):
         if placed is None:
             self._counters["no_space"] += 1
             return Allocation(kind=AllocationKind.NO_SPACE)
-        slots, offset = placed
+        space, offset = placed
         self._next_version += 1
         descriptor = Descriptor(
             key=req.key,
-            node=slots.node,
-            region=slots.region,
+            node=space.node,
+            region=space.region,
             offset=offset,
             length=req.length,
-            rkey=slots.rkey,
+            rkey=space.rkey,
             version=self._next_version,
             crc=0,
         )
         deadline = now + self._lease
         self._entries[req.key] = _Entry(descriptor, size, deadline)
+        space.occupy(offset, size, req.key)
         self._pending.append((deadline, req.key, descriptor.version))
         self._counters["grants"] += 1
         return Allocation(kind=AllocationKind.GRANTED, descriptor=descriptor)
@@ -396,6 +378,24 @@ class MemoryIndex(IndexPlugin):
             self._counters["unpublished"] += removed
             return removed
 
+    def drop_invalid(self, records: Sequence[GrantRef]) -> int:
+        """Readers found these published records invalid: unpublish each that is still
+        the published version, so the next put of its key stores it again."""
+        with self._lock:
+            now = self._clock()
+            dropped = 0
+            for record in records:
+                entry = self._entries.get(record.key)
+                if (
+                    entry is not None
+                    and entry.state is _State.PUBLISHED
+                    and entry.descriptor.version == record.version
+                ):
+                    self._remove(record.key, entry, now)
+                    dropped += 1
+            self._counters["invalid_reports"] += dropped
+            return dropped
+
     def _pending_entry(self, grant: GrantRef) -> _Entry | None:
         entry = self._entries.get(grant.key)
         if (
@@ -408,31 +408,75 @@ class MemoryIndex(IndexPlugin):
 
     # -- space -------------------------------------------------------------------------
 
-    def _fit(self, size: int) -> tuple[_RegionSlots, int] | None:
+    def _fit(self, size: int) -> tuple[RegionSpace, int] | None:
         # The region with the most free bytes first: spreads load across nodes.
-        best: _RegionSlots | None = None
-        for slots in self._regions.values():
-            alloc = slots.allocator
+        best: RegionSpace | None = None
+        for space in self._regions.values():
+            alloc = space.allocator
             if alloc.largest_free() >= size and (
                 best is None or alloc.free_bytes > best.allocator.free_bytes
             ):
-                best = slots
+                best = space
         if best is None:
             return None
-        offset = best.allocator.allocate(size)
+        offset = best.take(size)
         assert offset is not None
         return best, offset
 
     def _make_room(self, size: int, now: float) -> None:
-        """Evict until ``size`` fits now, or until enough is retired to fit after the grace."""
-        while True:
-            self._release_retired(now)
-            if any(s.allocator.largest_free() >= size for s in self._regions.values()):
+        """Evict the cheapest contiguous window that holds ``size`` bytes.
+
+        Candidate windows grow around the least recently used entries and the oldest
+        retired slots; each is priced by what it would evict (recent and often-stored
+        entries cost more). When no candidate window can grow big enough (grants being
+        written block it), the oldest entry goes and the search runs again.
+        """
+        while not any(s.allocator.largest_free() >= size for s in self._regions.values()):
+            plans = [plan for plan in self._candidate_windows(size, now) if plan is not None]
+            if plans:
+                self._evict_window(min(plans, key=lambda plan: plan.cost), now)
                 return
-            if self._grace > 0 and self._retired_bytes >= size + self._headroom_bytes():
+            if not self._evict_one(now, immediate=True):
                 return
-            if not self._evict_one(now):
-                return
+
+    def _candidate_windows(self, size: int, now: float) -> list[Plan | None]:
+        def keep_value(key: bytes) -> float | None:
+            entry = self._entries[key]
+            if entry.state is not _State.PUBLISHED:
+                return None  # being written: never evicted
+            return _weight(entry) / (now - entry.last_use + 1e-3)
+
+        plans: list[Plan | None] = []
+        for key in self._oldest(_WINDOW_SEEDS):
+            d = self._entries[key].descriptor
+            space = self._regions.get((d.node, d.region))
+            if space is not None:
+                plans.append(space.plan(d.offset, size, keep_value))
+        seeds = 0
+        for _, space, offset, token in self._retired:
+            if seeds == _WINDOW_SEEDS:
+                break
+            held = space.retired.get(offset)
+            if held is not None and held[1] == token:
+                seeds += 1
+                plans.append(space.plan(offset, size, keep_value))
+        return plans
+
+    def _evict_window(self, plan: Plan, now: float) -> None:
+        for key in plan.victims:
+            self._remove(key, self._entries[key], now, immediate=True)
+            self._counters["evictions"] += 1
+        for offset in plan.retired:
+            self._retired_bytes -= plan.space.release(offset)
+            self._counters["early_reuse"] += 1
+
+    def _oldest(self, count: int) -> list[bytes]:
+        oldest = []
+        for key in self._lru:
+            if len(oldest) == count:
+                break
+            oldest.append(key)
+        return oldest
 
     def _keep_headroom(self, now: float) -> None:
         target = self._headroom_bytes()
@@ -448,44 +492,41 @@ class MemoryIndex(IndexPlugin):
     def _free_bytes(self) -> int:
         return sum(s.allocator.free_bytes for s in self._regions.values())
 
-    def _evict_one(self, now: float) -> bool:
+    def _evict_one(self, now: float, *, immediate: bool = False) -> bool:
         """Retire the published entry least worth keeping: LRU, weighted by retention."""
         victim: bytes | None = None
         best_score = -1.0
-        for i, key in enumerate(self._lru):
-            if i == _EVICTION_SAMPLE:
-                break
+        for key in self._oldest(_EVICTION_SAMPLE):
             entry = self._entries[key]
-            age = now - entry.last_use + 1e-3
-            score = age / (1.0 + math.log2(max(entry.retention, 1)))
+            score = (now - entry.last_use + 1e-3) / _weight(entry)
             if score > best_score:
                 victim, best_score = key, score
         if victim is None:
             return False
-        self._remove(victim, self._entries[victim], now)
+        self._remove(victim, self._entries[victim], now, immediate=immediate)
         self._counters["evictions"] += 1
         return True
 
-    def _remove(self, key: bytes, entry: _Entry, now: float) -> None:
+    def _remove(self, key: bytes, entry: _Entry, now: float, *, immediate: bool = False) -> None:
+        """Take an entry out; its slot retires (or is free at once: ``immediate``, no grace)."""
         del self._entries[key]
         self._lru.pop(key, None)
         d = entry.descriptor
-        slots = self._regions.get((d.node, d.region))
-        if slots is not None:
-            self._retired.append((now + self._grace, slots, d.offset, entry.size))
-            self._retired_bytes += entry.size
-        if self._grace <= 0:
-            self._release_retired(now)
+        space = self._regions.get((d.node, d.region))
+        if space is None or space.occupants.get(d.offset, (None,))[0] != key:
+            return
+        token = space.vacate(d.offset)
+        if immediate or self._grace <= 0:
+            space.release(d.offset, token)
+            return
+        self._retired.append((now + self._grace, space, d.offset, token))
+        self._retired_bytes += entry.size
 
     def _release_retired(self, now: float) -> None:
         while self._retired and self._retired[0][0] <= now:
-            _, slots, offset, size = self._retired.popleft()
-            self._retired_bytes -= size
-            if slots.restored is not None:
-                # Its region is still being restored: the slot is simply not reported used.
-                slots.restored.remove((offset, size))
-            else:
-                slots.allocator.free(offset, size)
+            _, space, offset, token = self._retired.popleft()
+            # Zero when the slot was already reused early (its token no longer matches).
+            self._retired_bytes -= space.release(offset, token)
 
     def _expire_leases(self, now: float) -> None:
         while self._pending and self._pending[0][0] <= now:
@@ -518,6 +559,11 @@ class MemoryIndex(IndexPlugin):
                 "used_bytes": capacity - free - self._retired_bytes,
                 "stored_payload_bytes": sum(self._entries[k].descriptor.length for k in self._lru),
             }
+
+
+def _weight(entry: _Entry) -> float:
+    """How much more an entry stored by many writers is worth keeping than one stored once."""
+    return 1.0 + math.log2(max(entry.retention, 1))
 
 
 @hookimpl

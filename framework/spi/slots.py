@@ -38,6 +38,14 @@ class SlotAllocator:
         if self.size > cursor:
             self._insert(cursor, self.size - cursor)
 
+    def free_at(self, offset: int) -> int:
+        """Size of the free extent starting at ``offset`` (0 if none starts there)."""
+        return self._by_offset.get(offset, 0)
+
+    def free_ending_at(self, end: int) -> int:
+        """Start of the free extent ending at ``end`` (-1 if none ends there)."""
+        return self._by_end.get(end, -1)
+
     def largest_free(self) -> int:
         return self._sizes[-1] if self._sizes else 0
 

@@ -242,17 +242,25 @@ class IndexConformance:
         assert index.exists(keys) == [True, False, False, True]
         assert len(index.lookup_prefix(keys)) == 1
 
-    def test_a_retired_slot_waits_out_the_grace_period(self, make_index: MakeIndex) -> None:
+    def test_a_retired_slot_waits_out_the_grace_period_while_there_is_other_room(
+        self, make_index: MakeIndex
+    ) -> None:
         index = make_index(IndexConfig(grace=60.0, headroom=0.0))
-        index.register_node(_node("n1", _SLOT))  # room for exactly one record
-        first, second = _keys(2)
+        index.register_node(_node("n1", 2 * _SLOT))  # room for exactly two records
+        first, second, third = _keys(3)
         _put(index, [first])
         old = index.resolve([first])[0]
         assert old is not None
         assert index.unpublish([first]) == 1
-        # The only slot is retired for a minute: a new key must not land on it now.
-        outcome = index.allocate([AllocationRequest(key=second, length=_VALUE)])
-        assert outcome.allocations[0].kind is AllocationKind.NO_SPACE
+        (grant,) = _grants(index, [second])
+        assert grant.offset != old.offset
+        index.publish([GrantRef.of(grant)])
+        # Nothing else is free now: a put is never refused for a grace period; the retired
+        # slot is reused early (cheaper than evicting), under a new version.
+        (late,) = _grants(index, [third])
+        assert (late.region, late.offset) == (old.region, old.offset)
+        assert late.version > old.version
+        assert index.exists([second]) == [True]
 
     def test_a_freed_slot_comes_back_under_a_new_version(self, make_index: MakeIndex) -> None:
         index = make_index(IndexConfig(grace=0.2, headroom=0.0))
@@ -286,10 +294,29 @@ class IndexConformance:
         assert result.allocations[0].kind is AllocationKind.GRANTED
         assert result.evictions == 1
 
-    def test_a_value_larger_than_any_region_is_no_space(self, index: IndexPlugin) -> None:
-        (key,) = _keys(1)
-        result = index.allocate([AllocationRequest(key=key, length=2 << 20)])
+    def test_a_value_larger_than_any_region_is_refused_and_evicts_nothing(
+        self, index: IndexPlugin
+    ) -> None:
+        keys = _keys(100)
+        _put(index, keys)
+        before = index.stats()
+        result = index.allocate([AllocationRequest(key=_keys(1)[0], length=2 << 20)])
         assert result.allocations[0].kind is AllocationKind.NO_SPACE
+        assert result.evictions == 0
+        assert index.stats()["evictions"] == before["evictions"]
+        assert index.exists(keys) == [True] * 100
+
+    def test_a_full_index_with_mixed_sizes_keeps_storing(self, make_index: MakeIndex) -> None:
+        """Fragmentation must not turn into refusals: room is made where a value fits."""
+        index = make_index(IndexConfig(grace=60.0))
+        index.register_node(_node("n1", 8 << 20))
+        sizes = [4096 * (1 + (i * 7919) % 512) for i in range(600)]  # 4 KiB - 2 MiB
+        refused = 0
+        for key, size in zip(_keys(len(sizes)), sizes, strict=True):
+            refused += _put(index, [key], length=size) == [AllocationKind.NO_SPACE]
+        stats = index.stats()
+        assert stats["evictions"] > 0
+        assert refused == 0
 
     # -- membership ----------------------------------------------------------------------
 

@@ -88,21 +88,23 @@ def test_lease_expiry_frees_the_grant_and_rejects_a_late_publish() -> None:
     assert index.stats()["lease_expiries"] == 1
 
 
-def test_retired_slot_waits_for_the_grace_period_and_comes_back_with_a_new_version() -> None:
+def test_retired_slot_comes_back_after_the_grace_period_with_a_new_version() -> None:
     size = record_size(1000)
-    index, clock = _index(capacity=size, grace=2.0)  # room for exactly one record
+    index, clock = _index(capacity=2 * size, grace=2.0)
     _put(index, _key(1))
     old = index.resolve([_key(1)])[0]
     assert old is not None
     assert index.unpublish([_key(1)]) == 1
-    assert index.lookup_prefix([_key(1)]) == []
-    assert _put(index, _key(2)) == [AllocationKind.NO_SPACE]  # still in its grace period
+    assert index.stats()["retired_bytes"] == size
     clock.now += 2.5
-    assert _put(index, _key(2)) == [AllocationKind.GRANTED]
-    new = index.resolve([_key(2)])[0]
-    assert new is not None
-    assert (new.offset, new.region) == (old.offset, old.region)
-    assert new.version > old.version
+    index.tick()
+    assert index.stats()["retired_bytes"] == 0
+    _put(index, _key(2), _key(3))  # both slots free again: no eviction, no early reuse
+    stats = index.stats()
+    assert (stats["evictions"], stats["early_reuse"], stats["entries"]) == (0, 0, 2)
+    new = [d for d in index.resolve([_key(2), _key(3)]) if d is not None]
+    assert {d.offset for d in new} == {0, size}
+    assert all(d.version > old.version for d in new)
 
 
 def test_eviction_prefers_old_entries_weighted_by_retention() -> None:

@@ -2,20 +2,19 @@
 
 The controller reports scopes of counters: ``controller`` (its RPCs and refusals), ``index``
 (capacity, entries, hits, dedup, evictions, ...) and one ``node ID NAME`` scope per data node
-(capacity and each transport server's counters).
+(capacity and each transport server's counters). The Prometheus form is written by
+:mod:`kvfabric._tools.metrics`, the same collector the ``--metrics-port`` endpoint serves.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 
+from kvfabric._tools.metrics import Scopes, exposition
 from kvfabric.spi.units import format_size
 
 __all__ = ["FORMATS", "format_json", "format_prometheus", "format_table"]
-
-Scopes = dict[str, dict[str, int]]
 
 _SUMMARY = (
     ("capacity", "capacity_bytes"),
@@ -53,23 +52,9 @@ def format_table(scopes: Scopes) -> str:
     return "\n".join(lines)
 
 
-_NODE_SCOPE = re.compile(r"^node (\d+) (.*)$")
-_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
-
-
 def format_prometheus(scopes: Scopes) -> str:
-    """Prometheus text exposition: ``kvfabric_<scope>_<counter>``, nodes labelled by id/name."""
-    lines: list[str] = []
-    for scope, counters in scopes.items():
-        node = _NODE_SCOPE.match(scope)
-        prefix = "kvfabric_node" if node else f"kvfabric_{_UNSAFE.sub('_', scope)}"
-        labels = ""
-        if node:
-            name = node.group(2).replace("\\", "\\\\").replace('"', '\\"')
-            labels = f'{{node="{node.group(1)}",name="{name}"}}'
-        for counter, value in counters.items():
-            lines.append(f"{prefix}_{_UNSAFE.sub('_', counter)}{labels} {value}")
-    return "\n".join(lines)
+    """Prometheus text exposition with ``# HELP``/``# TYPE``: what ``--metrics-port`` serves."""
+    return exposition(scopes).rstrip("\n")
 
 
 def format_json(scopes: Scopes) -> str:

@@ -36,7 +36,7 @@ import numpy as np
 
 import kvfabric
 from kvfabric._tools.cluster import Cluster, free_port
-from kvfabric.errors import PluginError
+from kvfabric.errors import ConfigError, PluginError
 from kvfabric.keys import chain_keys
 from kvfabric.spi.plugins import plugin_manager
 from kvfabric.spi.units import format_size
@@ -257,6 +257,22 @@ def _kvfabric(
     return rows
 
 
+def _check_redis() -> None:
+    """Refuse at once, before minutes of measuring, if the Redis rows cannot run."""
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "the Redis rows need redis-py: pip install 'kvfabric[bench]' (from a clone: "
+            "pip install '.[bench]'), or skip them with --no-redis"
+        ) from None
+    if shutil.which("redis-server") is None:
+        raise ConfigError(
+            "the Redis rows need redis-server on PATH (e.g. apt-get install redis-server), "
+            "or skip them with --no-redis"
+        )
+
+
 @contextmanager
 def _redis_server() -> Iterator[Any]:
     import redis
@@ -366,6 +382,8 @@ def run_bench(
     redis: bool = True,
     out: Any = sys.stdout,
 ) -> list[BenchRow]:
+    if redis:
+        _check_redis()
     rows: list[BenchRow] = []
     capacity = 4 * count * max(sizes) + (64 << 20)
     transports = _bench_transports()

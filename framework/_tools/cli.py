@@ -1,4 +1,9 @@
-"""The ``kvfabric`` command line."""
+"""The ``kvfabric`` command line.
+
+Nothing here (nor in what ``demo``, ``bench`` and the server commands import) imports
+pytest or :mod:`kvfabric.testing`: the commands run on a plain ``pip install kvfabric``.
+Errors are one ``kvfabric: error: ...`` line on stderr and exit status 2.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +11,27 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvfabric.errors import KvfabricError
+from kvfabric._tools.server_cli import HelpFormatter
+from kvfabric.errors import ControllerUnavailableError, KvfabricError
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
+
+_DEMO_DESCRIPTION = """\
+An LMCache-like workload against a store, in about a second on the default embedded
+store. SESSIONS chat sessions share one SYSTEM_TOKENS-token system prompt and each add
+TURNS turns of their own; per request the "engine" looks up how many leading 256-token
+chunks are stored, loads them, computes the rest and offers every chunk for storage.
+
+It prints progress on stderr (requests done / all requests, elapsed), then per turn the
+prefix hits and bytes loaded vs computed, and in sum: bytes offered vs stored (the dedup:
+chunks stored once already move no bytes when offered again), control round trips per
+lookup+get (1.00), validation failures and wrong values (both 0), and read throughput next
+to a plain memcpy of the same chunks (the ceiling of any local read; a get also checksums
+every byte, so a ratio well under 1 is expected)."""
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from kvfabric._tools.demo import DemoConfig, run_demo
+    from kvfabric._tools.demo import DemoConfig, check_demo_store, run_demo
 
     config = DemoConfig(
         url=args.url,
@@ -21,15 +40,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         system_tokens=args.system_tokens,
         kv_bytes_per_token=args.kv_bytes_per_token,
     )
+    check_demo_store(config)
     report = run_demo(config)
     return 1 if report.wrong_values else 0
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
-    from kvfabric.spi.plugins import installed_plugins, plugin_manager
+    from importlib import import_module
+
+    from kvfabric.spi.plugins import install_hint, installed_plugins, plugin_manager
 
     manager = plugin_manager()
     rows = [("kind", "name", "status", "distribution", "entry point")]
+    problems: list[str] = []
     for plugin in installed_plugins():
         status = "ok"
         try:
@@ -37,12 +60,17 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
                 manager.transport(plugin.name)
             elif plugin.kind == "backend":
                 manager.backend(plugin.name)
+            elif plugin.kind == "index":
+                manager.index(plugin.name)
             else:
-                from importlib import import_module
-
                 import_module(plugin.target.partition(":")[0])
         except (KvfabricError, ImportError) as exc:
-            status = f"unavailable: {exc}"
+            status = "unavailable"
+            reason = str(exc)
+            problems.append(f"  {plugin.kind} {plugin.name}: {reason}")
+            hint = install_hint(plugin.kind, plugin.name)
+            if hint and "pip install" not in reason:
+                problems.append(f"    install: {hint}")
         rows.append(
             (
                 plugin.kind,
@@ -53,6 +81,13 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
             )
         )
     _print_table(rows)
+    if problems:
+        print("\nunavailable here:")
+        print("\n".join(problems))
+        print(
+            "  (from a clone of the repository, install extras as '.[NAME]' instead of "
+            "'kvfabric[NAME]')"
+        )
     return 0
 
 
@@ -69,13 +104,12 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     from kvfabric._control.client import ControlClient
     from kvfabric._control.remote_index import fetch_stats
     from kvfabric._control.security import Credentials, load_secret
+    from kvfabric._tools.endpoints import control_endpoint
     from kvfabric._tools.stats_format import FORMATS
     from kvfabric.spi.units import parse_duration
 
     secret = load_secret(args.secret_file)
-    endpoint = args.controller
-    if endpoint.startswith("kvfabric://"):
-        endpoint = "tcp://" + endpoint.removeprefix("kvfabric://").split("?")[0]
+    endpoint = control_endpoint(args.controller, "--controller")
     client = ControlClient(
         endpoint,
         timeout=parse_duration(args.timeout),
@@ -83,6 +117,12 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     )
     try:
         scopes = fetch_stats(client)
+    except ControllerUnavailableError as exc:
+        secured = " and the same secret" if secret else ""
+        raise ControllerUnavailableError(
+            f"{exc}; is a controller (`kvfabric controller` or `kvfabric serve`) running "
+            f"there? Give its address with --controller HOST:PORT{secured}"
+        ) from None
     finally:
         client.close()
     print(FORMATS[args.format](scopes))
@@ -95,38 +135,99 @@ def _print_table(rows: Sequence[Sequence[str]]) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvfabric", description="A remote KV-cache tier for LLM serving."
+        prog="kvfabric",
+        description="A remote KV-cache tier for LLM serving.",
+        epilog="`kvfabric COMMAND --help` describes each command, its options and defaults.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="show prefix reuse, dedup and validation in a minute")
-    demo.add_argument("--url", default="embedded://?capacity=512MiB", help="store to use")
-    demo.add_argument("--sessions", type=int, default=8)
-    demo.add_argument("--turns", type=int, default=4)
-    demo.add_argument("--system-tokens", type=int, default=4096)
-    demo.add_argument("--kv-bytes-per-token", type=int, default=2048)
+    demo = sub.add_parser(
+        "demo",
+        help="show prefix reuse, dedup and validation (about a second)",
+        description=_DEMO_DESCRIPTION,
+        formatter_class=_DemoFormatter,
+    )
+    demo.add_argument(
+        "--url",
+        default="embedded://?capacity=512MiB",
+        help="store to use: embedded://?... runs everything in this process; "
+        "kvfabric://HOST:PORT uses a running `kvfabric serve` or controller",
+    )
+    demo.add_argument("--sessions", type=_positive, default=8, help="chat sessions")
+    demo.add_argument("--turns", type=_positive, default=4, help="turns per session")
+    demo.add_argument(
+        "--system-tokens",
+        type=_positive,
+        default=4096,
+        help="tokens of the system prompt every session shares",
+    )
+    demo.add_argument(
+        "--kv-bytes-per-token",
+        type=_positive,
+        default=2048,
+        help="KV-cache bytes per token (2048: 512 KiB per 256-token chunk)",
+    )
     demo.set_defaults(func=_cmd_demo)
 
-    plugins = sub.add_parser("plugins", help="list installed transports, backends, adapters")
+    plugins = sub.add_parser(
+        "plugins",
+        help="list installed transports, backends, indexes and adapters",
+        description="List every installed plugin, whether it can be used here, and for "
+        "those that cannot, why and how to install what they need.",
+    )
     plugins.set_defaults(func=_cmd_plugins)
 
     from kvfabric._tools.server_cli import add_server_commands
 
     add_server_commands(sub)
 
-    bench = sub.add_parser("bench", help="kvfabric vs memcpy, raw sockets and Redis")
-    bench.add_argument("--sizes", default="256KiB,4MiB", help="chunk sizes, comma-separated")
-    bench.add_argument("--count", type=int, default=64, help="chunks per batch")
-    bench.add_argument("--repeat", type=int, default=5)
+    bench = sub.add_parser(
+        "bench",
+        help="kvfabric vs memcpy, raw sockets and Redis",
+        description="Time kvfabric (over tcp, shm and ucx where installed, against real "
+        "controller and node processes) next to memcpy, a raw socket and Redis; print a "
+        "table of medians and ratios. The Redis rows need redis-py ('kvfabric[bench]') "
+        "and redis-server on PATH.",
+        formatter_class=HelpFormatter,
+    )
+    bench.add_argument(
+        "--sizes", default="256KiB,4MiB", metavar="SIZE,...", help="chunk sizes, comma-separated"
+    )
+    bench.add_argument("--count", type=_positive, default=64, help="chunks per batch")
+    bench.add_argument(
+        "--repeat", type=_positive, default=5, help="runs per measurement (median shown)"
+    )
     bench.add_argument("--no-redis", action="store_true", help="skip the Redis rows")
     bench.set_defaults(func=_cmd_bench)
 
-    stats = sub.add_parser("stats", help="print the controller's and each node's counters")
-    stats.add_argument("--controller", default="tcp://127.0.0.1:7100")
-    stats.add_argument("--secret-file", default=None)
-    stats.add_argument("--timeout", default="2s")
+    stats = sub.add_parser(
+        "stats",
+        help="print the controller's and each node's counters",
+        description="Print the counters of a running controller, its index and every data "
+        "node: a table, Prometheus text (the same as --metrics-port serves) or JSON.",
+        formatter_class=HelpFormatter,
+    )
+    stats.add_argument(
+        "--controller",
+        default="127.0.0.1:7100",
+        metavar="HOST:PORT",
+        help="the controller's address (HOST:PORT, tcp://HOST:PORT or kvfabric://HOST:PORT)",
+    )
+    stats.add_argument(
+        "--secret-file", default=None, help="shared secret (else $KVFABRIC_SECRET, if set)"
+    )
+    stats.add_argument(
+        "--timeout", default="2s", metavar="DURATION", help="bound on the controller's answer"
+    )
     stats.add_argument(
         "--format",
         choices=("table", "prometheus", "json"),
@@ -135,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stats.set_defaults(func=_cmd_stats)
     return parser
+
+
+class _DemoFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, and the description's paragraphs kept as written."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,10 +11,17 @@ __all__ = ["Progress"]
 
 class Progress:
     def __init__(
-        self, total: int, label: str, *, stream: TextIO | None = None, force: bool = False
+        self,
+        total: int,
+        label: str,
+        *,
+        unit: str = "",
+        stream: TextIO | None = None,
+        force: bool = False,
     ) -> None:
         self.total = max(total, 1)
         self.label = label
+        self.unit = f" {unit}" if unit else ""
         self.done = 0
         self._stream = stream or sys.stderr
         self._tty = force or self._stream.isatty()
@@ -29,14 +36,16 @@ class Progress:
             quarter = 4 * self.done // self.total
             if quarter > self._quarter:
                 self._quarter = quarter
-                self._stream.write(f"{self.label}: {self.done}/{self.total} {elapsed:.1f}s\n")
+                self._stream.write(
+                    f"{self.label}: {self.done}/{self.total}{self.unit} done, {elapsed:.1f}s\n"
+                )
                 self._stream.flush()
             return
         width = 30
         filled = int(width * self.done / self.total)
         bar = "█" * filled + "·" * (width - filled)
         self._stream.write(
-            f"\r{self.label} [{bar}] {self.done}/{self.total} {elapsed:5.1f}s {note:<24}"
+            f"\r{self.label} [{bar}] {self.done}/{self.total}{self.unit} {elapsed:5.1f}s {note:<24}"
         )
         self._stream.flush()
 

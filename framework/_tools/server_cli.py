@@ -1,7 +1,9 @@
 """The server commands: ``kvfabric controller``, ``kvfabric node`` and ``kvfabric serve``.
 
-Each prints one line on stdout once it is ready (tests and scripts wait for it), logs to
-stderr, and shuts down cleanly on SIGINT or SIGTERM.
+Each prints one line on stdout once it is ready (tests and scripts wait for it) naming its
+capacity and every endpoint it serves, logs to stderr, and shuts down cleanly on SIGINT or
+SIGTERM. Start-up problems (a port in use, an address ZeroMQ cannot use, a capacity this
+machine cannot give) are one ``kvfabric: error: ...`` line that says what to do.
 """
 
 from __future__ import annotations
@@ -11,20 +13,66 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
+import zmq
+
+from kvfabric._control.client import ControlClient
 from kvfabric._control.controller import Controller
+from kvfabric._control.remote_index import fetch_stats
 from kvfabric._control.security import Credentials, load_secret
 from kvfabric._node.agent import NodeAgent
 from kvfabric._node.node import DataNode
+from kvfabric._tools.capacity import check_capacity
+from kvfabric._tools.endpoints import control_endpoint, listen_error
+from kvfabric._tools.metrics import MetricsServer, Scopes, ScopesCollector
+from kvfabric.errors import ConfigError, TransportError
 from kvfabric.spi.backend import BackendConfig
 from kvfabric.spi.index import IndexConfig, IndexPlugin
 from kvfabric.spi.options import PluginOptions, group_plugin_options
 from kvfabric.spi.plugins import plugin_manager
 from kvfabric.spi.transport import TransportConfig
-from kvfabric.spi.units import parse_duration, parse_size
+from kvfabric.spi.units import format_size, parse_duration, parse_size
 
-__all__ = ["add_server_commands"]
+__all__ = ["HelpFormatter", "add_server_commands", "configure_logging"]
+
+log = logging.getLogger("kvfabric._tools.server_cli")
+
+# A node that has not registered after this long says so, then again at this interval.
+_FIRST_WAIT_NOTICE = 2.0
+_WAIT_NOTICE_EVERY = 5.0
+
+_UNITS_EPILOG = (
+    "Sizes are bytes (4096) or take a unit: KiB, MiB, GiB, TiB (binary, 1024-based) or KB, "
+    "MB, GB, TB (decimal); a lone K/M/G/T is refused as ambiguous. Durations are seconds "
+    "(2, 2s) or take ms, us, min. Addresses are HOST:PORT or tcp://HOST:PORT."
+)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default = action.default
+        if default is None or default is False or default == [] or default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _size(text: str, option: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{option}: {exc}") from None
+
+
+def _duration(text: str, option: str) -> float:
+    try:
+        return parse_duration(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{option}: {exc}") from None
 
 
 def _credentials(args: argparse.Namespace) -> Credentials | None:
@@ -45,8 +93,8 @@ def _index_from(args: argparse.Namespace, settings: PluginOptions) -> IndexPlugi
     index_cls = plugin_manager().index(args.index)
     return index_cls.create(
         IndexConfig(
-            lease=parse_duration(args.lease),
-            grace=parse_duration(args.grace),
+            lease=_duration(args.lease, "--lease"),
+            grace=_duration(args.grace, "--grace"),
             headroom=args.headroom,
             options=settings.claim(index_cls),
         )
@@ -57,9 +105,9 @@ def _controller_from(
     args: argparse.Namespace, credentials: Credentials | None, settings: PluginOptions
 ) -> Controller:
     return Controller(
-        listen=args.listen,
+        listen=control_endpoint(args.listen, "--listen"),
         index=_index_from(args, settings),
-        node_timeout=parse_duration(args.node_timeout),
+        node_timeout=_duration(args.node_timeout, "--node-timeout"),
         credentials=credentials,
     )
 
@@ -67,39 +115,61 @@ def _controller_from(
 def _node_from(
     args: argparse.Namespace, credentials: Credentials | None, settings: PluginOptions
 ) -> DataNode:
-    return DataNode.create(
-        backend=args.backend,
-        transports=[t.strip() for t in args.transport.split(",") if t.strip()],
-        backend_config=BackendConfig(
-            capacity=parse_size(args.capacity),
-            region_size=min(parse_size(args.region_size), parse_size(args.capacity)),
-            path=args.path,
-        ),
-        transport_config=TransportConfig(
-            host=args.host,
-            advertise=args.advertise,
-            port=args.port,
-            timeout=parse_duration(args.timeout),
-            token=credentials.data_token if credentials else b"",
-        ),
-        name=args.name,
-        plugin_options=settings,
-    )
+    capacity = _size(args.capacity, "--capacity")
+    region_size = min(_size(args.region_size, "--region-size"), capacity)
+    # Checked before any region is allocated: a capacity this machine cannot give fails
+    # here with what to do, not halfway through allocation.
+    check_capacity(capacity, region_size, plugin_manager().backend(args.backend))
+    try:
+        return DataNode.create(
+            backend=args.backend,
+            transports=[t.strip() for t in args.transport.split(",") if t.strip()],
+            backend_config=BackendConfig(
+                capacity=capacity, region_size=region_size, path=args.path
+            ),
+            transport_config=TransportConfig(
+                host=args.host,
+                advertise=args.advertise,
+                port=args.port,
+                timeout=_duration(args.timeout, "--timeout"),
+                token=credentials.data_token if credentials else b"",
+            ),
+            name=args.name,
+            plugin_options=settings,
+        )
+    except TransportError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, OSError) and cause.errno is not None:
+            transport = str(exc).partition(":")[0]
+            raise listen_error(
+                f"the data node's {transport} transport",
+                f"{args.host}:{args.port}",
+                cause.errno,
+                cause.strerror or str(cause),
+                "--host and --port (0: any free port)",
+            ) from exc
+        raise
 
 
 def _describe(node: DataNode) -> str:
-    """Transports and their addresses, for the ready line (binary addresses summarised)."""
+    """Capacity, backend and every transport with its address, for the ready line."""
+    regions = node.backend.regions()
+    capacity = sum(r.size for r in regions)
     parts = []
     for name, server in node.servers.items():
         address = server.address
         text = address.decode("ascii", errors="replace")
         if name == "shm":
-            parts.append(name)
+            parts.append("shm (same host)")
         elif text.isprintable() and "\ufffd" not in text:
             parts.append(f"{name}@{text}")
         else:
             parts.append(f"{name} ({len(address)}-byte address)")
-    return ", ".join(parts)
+    region_word = "region" if len(regions) == 1 else "regions"
+    return (
+        f"{format_size(capacity)} ({capacity} bytes, {node.backend.name}, {len(regions)} "
+        f"{region_word}) over {', '.join(parts)}"
+    )
 
 
 def _stop_on_signals(stop: Callable[[], None]) -> None:
@@ -107,36 +177,131 @@ def _stop_on_signals(stop: Callable[[], None]) -> None:
         signal.signal(sig, lambda *_: stop())
 
 
+def _controller_stats(endpoint: Callable[[], str], args: argparse.Namespace) -> Scopes:
+    """The controller's counters through its own STATS request, as ``kvfabric stats`` reads
+    them. A client per scrape: scrapes are seconds apart and each runs on its own thread."""
+    credentials = _credentials(args)
+    client = ControlClient(
+        endpoint(), timeout=_duration(args.timeout, "--timeout"), credentials=credentials
+    )
+    try:
+        return fetch_stats(client)
+    finally:
+        client.close()
+
+
+@contextmanager
+def _metrics(args: argparse.Namespace, fetch: Callable[[], Scopes], source: str) -> Iterator[str]:
+    """Serve ``fetch``'s counters on ``--metrics-port`` if given; yields the ready-line part."""
+    if args.metrics_port is None:
+        yield ""
+        return
+    server = MetricsServer(ScopesCollector(fetch, source), args.metrics_host, args.metrics_port)
+    try:
+        yield f"; metrics at {server.url}"
+    finally:
+        server.close()
+
+
+def _serve_controller(controller: Controller, listen: str, ready: Callable[[str], None]) -> None:
+    """``controller.serve`` with a failed bind as one line that says what to do."""
+    try:
+        controller.serve(ready)
+    except zmq.ZMQError as exc:
+        if controller.endpoint:
+            raise  # bound and served: not a start-up problem
+        raise listen_error(
+            "the controller", listen, exc.errno, exc.strerror, "--listen HOST:PORT"
+        ) from None
+
+
+def _announce_waiting(agent: NodeAgent, endpoint: str, secured: bool) -> None:
+    """Log on stderr while the node waits for its controller, until it is registered."""
+    started = time.monotonic()
+    if agent.wait_registered(_FIRST_WAIT_NOTICE) is not None:
+        return
+    hint = " with the same secret" if secured else ""
+    while True:
+        log.warning(
+            "waiting for the controller at %s to register this node (%.0fs so far; the "
+            "node is not used until then); is `kvfabric controller` running there%s?",
+            endpoint,
+            time.monotonic() - started,
+            hint,
+        )
+        if agent.wait_registered(_WAIT_NOTICE_EVERY) is not None:
+            log.info(
+                "registered with the controller at %s after %.1fs",
+                endpoint,
+                time.monotonic() - started,
+            )
+            return
+
+
 def cmd_controller(args: argparse.Namespace) -> int:
     settings = _settings(args)
     controller = _controller_from(args, _credentials(args), settings)
     settings.check_all_claimed("controller")
-    _stop_on_signals(controller.stop)
-    controller.serve(
-        lambda endpoint: print(f"kvfabric controller listening on {endpoint}", flush=True)
-    )
+    with _metrics(
+        args, lambda: _controller_stats(lambda: controller.endpoint, args), "the controller"
+    ) as metrics:
+        _stop_on_signals(controller.stop)
+        _serve_controller(
+            controller,
+            controller.listen,
+            lambda endpoint: print(
+                f"kvfabric controller listening on {endpoint} (index {args.index}){metrics}; "
+                f"clients connect with kvfabric://{_host_port(endpoint)}",
+                flush=True,
+            ),
+        )
     return 0
 
 
 def cmd_node(args: argparse.Namespace) -> int:
     credentials = _credentials(args)
+    endpoint = control_endpoint(args.controller, "--controller")
     node = _node_from(args, credentials, _settings(args))
-    agent = NodeAgent(
-        node,
-        args.controller,
-        heartbeat=parse_duration(args.heartbeat),
-        timeout=parse_duration(args.timeout),
-        credentials=credentials,
-    )
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    agent.start()
-    print(f"kvfabric node {node.name} serving {_describe(node)}", flush=True)
     try:
-        stop.wait()
+        agent = NodeAgent(
+            node,
+            endpoint,
+            heartbeat=_duration(args.heartbeat, "--heartbeat"),
+            timeout=_duration(args.timeout, "--timeout"),
+            credentials=credentials,
+        )
+
+        def node_stats() -> Scopes:
+            registered = agent.registered
+            node_id = registered.id if registered is not None else 0
+            return {
+                f"node {node_id} {node.name}": {
+                    **node.stats(),
+                    "registered": int(registered is not None),
+                }
+            }
+
+        with _metrics(args, node_stats, f"node {node.name}") as metrics:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+            agent.start()
+            print(
+                f"kvfabric node {node.name} serving {_describe(node)}; registering with the "
+                f"controller at {endpoint}{metrics}",
+                flush=True,
+            )
+            threading.Thread(
+                target=_announce_waiting,
+                args=(agent, endpoint, credentials is not None),
+                name="kvfabric-wait-notice",
+                daemon=True,
+            ).start()
+            try:
+                stop.wait()
+            finally:
+                agent.stop()
     finally:
-        agent.stop()
         node.close()
     return 0
 
@@ -147,46 +312,67 @@ def cmd_serve(args: argparse.Namespace) -> int:
     controller = _controller_from(args, credentials, settings)
     node = _node_from(args, credentials, settings)
     agents: list[NodeAgent] = []
-    _stop_on_signals(controller.stop)
-
-    def ready(endpoint: str) -> None:
-        # The controller is bound: start the node's agent against it, announce when it is in.
-        agent = NodeAgent(
-            node,
-            endpoint,
-            heartbeat=parse_duration(args.heartbeat),
-            timeout=parse_duration(args.timeout),
-            credentials=credentials,
-        )
-        agents.append(agent)
-        agent.start()
-        threading.Thread(target=announce, args=(agent, endpoint), daemon=True).start()
-
-    def announce(agent: NodeAgent, endpoint: str) -> None:
-        if agent.wait_registered(30.0) is None:
-            print("kvfabric serve: the node did not register", file=sys.stderr, flush=True)
-            controller.stop()
-            return
-        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-        print(
-            f"kvfabric serving on {endpoint}: node {node.name} ({_describe(node)}); "
-            f"connect with kvfabric://{host}:{port}",
-            flush=True,
-        )
-
     try:
-        controller.serve(ready)
+        with _metrics(
+            args, lambda: _controller_stats(lambda: controller.endpoint, args), "the controller"
+        ) as metrics:
+            _stop_on_signals(controller.stop)
+
+            def ready(endpoint: str) -> None:
+                # The controller is bound: start the node's agent against it, announce when
+                # the node is in.
+                agent = NodeAgent(
+                    node,
+                    endpoint,
+                    heartbeat=_duration(args.heartbeat, "--heartbeat"),
+                    timeout=_duration(args.timeout, "--timeout"),
+                    credentials=credentials,
+                )
+                agents.append(agent)
+                agent.start()
+                threading.Thread(target=announce, args=(agent, endpoint), daemon=True).start()
+
+            def announce(agent: NodeAgent, endpoint: str) -> None:
+                if agent.wait_registered(30.0) is None:
+                    print(
+                        "kvfabric: error: the node did not register with its own controller "
+                        "within 30s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    controller.stop()
+                    return
+                print(
+                    f"kvfabric serving on {endpoint}: node {node.name}, {_describe(node)}"
+                    f"{metrics}; connect with kvfabric://{_host_port(endpoint)}",
+                    flush=True,
+                )
+
+            try:
+                _serve_controller(controller, controller.listen, ready)
+            finally:
+                for agent in agents:
+                    agent.stop()
     finally:
-        for agent in agents:
-            agent.stop()
         node.close()
     return 0
 
 
+def _host_port(endpoint: str) -> str:
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    return f"{host}:{port}"
+
+
 def _add_controller_options(parser: argparse.ArgumentParser, default_listen: str) -> None:
-    parser.add_argument("--listen", default=default_listen, help="ZeroMQ endpoint to bind")
     parser.add_argument(
-        "--index", default="memory", help="index plugin (kvfabric plugins lists them)"
+        "--listen",
+        default=default_listen,
+        metavar="HOST:PORT",
+        help="address the controller binds (HOST:PORT or tcp://HOST:PORT; 0.0.0.0 for all "
+        "interfaces)",
+    )
+    parser.add_argument(
+        "--index", default="memory", help="index plugin (`kvfabric plugins` lists them)"
     )
     parser.add_argument(
         "--index-opt",
@@ -195,18 +381,47 @@ def _add_controller_options(parser: argparse.ArgumentParser, default_listen: str
         metavar="NAME.OPTION=VALUE",
         help="an option of the index plugin (repeatable)",
     )
-    parser.add_argument("--lease", default="30s", help="a writer's time to publish a grant")
-    parser.add_argument("--grace", default="2s", help="how long a freed slot waits for reuse")
     parser.add_argument(
-        "--headroom", type=float, default=0.05, help="share of capacity kept free ahead of need"
+        "--lease",
+        default="30s",
+        metavar="DURATION",
+        help="a writer's time to publish what it was granted before the slot is reclaimed",
     )
     parser.add_argument(
-        "--node-timeout", default="3s", help="drop a node silent for this long, and its entries"
+        "--grace",
+        default="2s",
+        metavar="DURATION",
+        help="how long a freed slot waits before reuse (readers holding its descriptor "
+        "finish first)",
+    )
+    parser.add_argument(
+        "--headroom",
+        type=float,
+        default=0.05,
+        metavar="FRACTION",
+        help="share of capacity kept free ahead of need, by evicting least recently used",
+    )
+    parser.add_argument(
+        "--node-timeout",
+        default="3s",
+        metavar="DURATION",
+        help="drop a data node silent for this long, and its entries",
     )
 
 
 def _add_node_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default="dram")
+    parser.add_argument(
+        "--capacity", default="4GiB", metavar="SIZE", help="memory this node serves"
+    )
+    parser.add_argument(
+        "--region-size",
+        default="1GiB",
+        metavar="SIZE",
+        help="capacity is allocated in regions of this size (one file descriptor each)",
+    )
+    parser.add_argument(
+        "--backend", default="dram", help="memory backend (`kvfabric plugins` lists them)"
+    )
     parser.add_argument(
         "--backend-opt",
         action="append",
@@ -215,50 +430,116 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
         help="an option of the backend plugin (repeatable)",
     )
     parser.add_argument(
+        "--transport", default="tcp,shm", help="comma-separated transports to serve"
+    )
+    parser.add_argument(
         "--transport-opt",
         action="append",
         default=[],
         metavar="NAME.OPTION=VALUE",
         help="an option of a transport plugin, e.g. tcp.pool=4 (repeatable)",
     )
-    parser.add_argument("--capacity", default="4GiB")
-    parser.add_argument("--region-size", default="1GiB")
     parser.add_argument("--path", default=None, help="backend path (file-backed backends)")
-    parser.add_argument(
-        "--transport", default="tcp,shm", help="comma-separated transports to serve"
-    )
     parser.add_argument("--host", default="127.0.0.1", help="address data transports bind")
     parser.add_argument(
         "--advertise", default=None, help="host clients use to reach this node (for 0.0.0.0)"
     )
     parser.add_argument("--port", type=int, default=0, help="data port (0: any free one)")
     parser.add_argument("--name", default=None, help="stable node name (default: random)")
-    parser.add_argument("--heartbeat", default="1s")
-    parser.add_argument("--timeout", default="2s", help="bound on one control round trip")
+    parser.add_argument(
+        "--heartbeat",
+        default="1s",
+        metavar="DURATION",
+        help="how often the node reports to the controller (keep it well under the "
+        "controller's --node-timeout)",
+    )
+    parser.add_argument(
+        "--timeout",
+        default="2s",
+        metavar="DURATION",
+        help="bound on one control round trip",
+    )
+
+
+def _add_metrics_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics on http://METRICS_HOST:PORT/metrics (0: any free "
+        "port, printed at start-up; default: no endpoint)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address the metrics endpoint binds (0.0.0.0 for all interfaces)",
+    )
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--secret-file", default=None, help="shared secret (else $KVFABRIC_SECRET, if set)"
     )
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        type=str.upper,
+        help="what is logged on stderr",
+    )
 
 
 def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    controller = sub.add_parser("controller", help="run the index (one per deployment)")
+    controller = sub.add_parser(
+        "controller",
+        help="run the index (one per deployment)",
+        description="Run the controller: the index of what is stored where, behind one "
+        "ZeroMQ port. Data nodes register with it; clients send it their lookups.",
+        epilog=_UNITS_EPILOG,
+        formatter_class=HelpFormatter,
+    )
     _add_controller_options(controller, "tcp://127.0.0.1:7100")
+    _add_metrics_options(controller)
+    controller.add_argument(
+        "--timeout",
+        default="2s",
+        metavar="DURATION",
+        help="bound on the metrics endpoint's request for the controller's counters",
+    )
     _add_common(controller)
     controller.set_defaults(func=cmd_controller)
 
-    node = sub.add_parser("node", help="run a data node (one per host or memory pool)")
-    node.add_argument("--controller", default="tcp://127.0.0.1:7100")
+    node = sub.add_parser(
+        "node",
+        help="run a data node (one per host or memory pool)",
+        description="Run a data node: memory served over data transports, registered with "
+        "a controller. It waits (and says so on stderr) until the controller answers.",
+        epilog=_UNITS_EPILOG,
+        formatter_class=HelpFormatter,
+    )
+    node.add_argument(
+        "--controller",
+        default="tcp://127.0.0.1:7100",
+        metavar="HOST:PORT",
+        help="the controller's address (HOST:PORT, tcp://HOST:PORT or kvfabric://HOST:PORT)",
+    )
     _add_node_options(node)
+    _add_metrics_options(node)
     _add_common(node)
     node.set_defaults(func=cmd_node)
 
-    serve = sub.add_parser("serve", help="controller and one data node in one process")
+    serve = sub.add_parser(
+        "serve",
+        help="controller and one data node in one process",
+        description="Run a controller and one data node in one process: a whole store on one host.",
+        epilog=_UNITS_EPILOG,
+        formatter_class=HelpFormatter,
+    )
     _add_controller_options(serve, "tcp://127.0.0.1:7100")
     _add_node_options(serve)
+    _add_metrics_options(serve)
     _add_common(serve)
     serve.set_defaults(func=cmd_serve)
 

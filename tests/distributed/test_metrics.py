@@ -1,0 +1,150 @@
+"""Prometheus metrics: real controller and node processes with ``--metrics-port``, scraped
+over HTTP the way Prometheus does, and ``kvfabric stats --format prometheus``."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+import kvfabric
+from kvfabric._tools.cluster import Cluster
+from kvfabric.spi.record import record_size
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
+
+
+def _metrics_url(ready_line: str) -> str:
+    match = re.search(r"http://\S+/metrics", ready_line)
+    assert match, ready_line
+    return match.group(0)
+
+
+def _scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.status == 200
+        return str(response.read().decode())
+
+
+def _samples(text: str) -> dict[str, float]:
+    """``name{labels}`` → value, for every sample line."""
+    found = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match:
+            found[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    return found
+
+
+def _types(text: str) -> dict[str, str]:
+    return {
+        parts[2]: parts[3]
+        for parts in (line.split() for line in text.splitlines() if line.startswith("# TYPE "))
+    }
+
+
+def _keys(n: int, tag: int) -> list[bytes]:
+    return [bytes([tag, i]) * 16 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Cluster(
+        nodes=1,
+        transports=("tcp",),
+        controller_args=["--metrics-port", "0"],
+        node_args=["--metrics-port", "0"],
+    ) as c:
+        yield c
+
+
+def test_the_endpoints_have_help_and_type_lines_and_type_levels_as_gauges(
+    cluster: Cluster,
+) -> None:
+    assert cluster.controller is not None
+    node = cluster.nodes[0]
+    assert node is not None
+    text = _scrape(_metrics_url(cluster.controller.ready_line))
+    node_text = _scrape(_metrics_url(node.ready_line))
+    types = _types(text)
+    assert "# HELP kvfabric_index_entries " in text
+    assert types["kvfabric_index_entries"] == "gauge"
+    assert types["kvfabric_index_capacity_bytes"] == "gauge"
+    assert types["kvfabric_index_used_bytes"] == "gauge"
+    # prometheus-client names a counter family by its samples' `_total` name.
+    assert types["kvfabric_index_prefix_hits_total"] == "counter"
+    assert types["kvfabric_controller_rpcs_total"] == "counter"
+    assert _samples(text)["kvfabric_up"] == 1.0
+    node_types = _types(node_text)
+    assert node_types["kvfabric_node_capacity_bytes"] == "gauge"
+    assert node_types["kvfabric_node_tcp_bytes_written_total"] == "counter"
+    samples = _samples(node_text)
+    assert samples['kvfabric_node_capacity_bytes{name="node0",node="1"}'] == 256 << 20
+    assert samples['kvfabric_node_registered{name="node0",node="1"}'] == 1.0
+
+
+def test_a_put_moves_the_counters_by_exactly_what_it_did(cluster: Cluster) -> None:
+    assert cluster.controller is not None
+    node = cluster.nodes[0]
+    assert node is not None
+    controller_url = _metrics_url(cluster.controller.ready_line)
+    node_url = _metrics_url(node.ready_line)
+    keys, value = _keys(4, 1), b"x" * 1000
+    with kvfabric.connect(cluster.url(transport="tcp")) as store:
+        store.batched_put(_keys(1, 0), [b"warm-up"])  # node table fetched, connection open
+        before, node_before = _samples(_scrape(controller_url)), _samples(_scrape(node_url))
+        assert store.batched_put(keys, [value] * 4) == [kvfabric.PutOutcome.STORED] * 4
+        after, node_after = _samples(_scrape(controller_url)), _samples(_scrape(node_url))
+        again = store.batched_put(keys, [value] * 4)
+        assert again == [kvfabric.PutOutcome.DEDUPLICATED] * 4
+        repeat, node_repeat = _samples(_scrape(controller_url)), _samples(_scrape(node_url))
+
+    def moved(name: str, old: dict[str, float], new: dict[str, float]) -> float:
+        return new[name] - old[name]
+
+    # One allocate and one publish for the batch; the scrapes themselves are not client RPCs.
+    assert moved("kvfabric_controller_rpcs_total", before, after) == 2
+    assert moved("kvfabric_controller_rpc_allocate_total", before, after) == 1
+    assert moved("kvfabric_controller_rpc_publish_total", before, after) == 1
+    assert moved("kvfabric_index_grants_total", before, after) == 4
+    assert moved("kvfabric_index_published_total", before, after) == 4
+    assert moved("kvfabric_index_entries", before, after) == 4
+    assert moved("kvfabric_index_stored_payload_bytes", before, after) == 4 * 1000
+    assert moved("kvfabric_index_used_bytes", before, after) == 4 * record_size(1000)
+    assert moved("kvfabric_index_dedup_hits_total", before, after) == 0
+    written = 'kvfabric_node_tcp_bytes_written_total{name="node0",node="1"}'
+    assert moved(written, node_before, node_after) == 4 * (64 + 1000)
+
+    # Stored keys offered again: one allocate that answers "stored", no bytes, no entries.
+    assert moved("kvfabric_index_dedup_hits_total", after, repeat) == 4
+    assert moved("kvfabric_index_entries", after, repeat) == 0
+    assert moved("kvfabric_index_grants_total", after, repeat) == 0
+    assert moved(written, node_after, node_repeat) == 0
+
+
+def test_stats_prints_the_same_exposition_and_takes_host_port(cluster: Cluster) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvfabric",
+            "stats",
+            "--controller",
+            f"127.0.0.1:{cluster.port}",
+            "--format",
+            "prometheus",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    types = _types(result.stdout)
+    assert types["kvfabric_index_entries"] == "gauge"
+    assert types["kvfabric_controller_rpcs_total"] == "counter"
+    assert "# HELP kvfabric_index_dedup_hits_total " in result.stdout
+    assert 'kvfabric_node_capacity_bytes{name="node0",node="1"}' in result.stdout

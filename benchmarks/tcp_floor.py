@@ -4,11 +4,11 @@
 
 For 64 chunks of 4 MiB and of 256 KiB: the floor is a child process that ``sendall``s the
 bytes on a plain socket to this process, which ``recv_into``s one preallocated buffer. The
-transport rows run a tcp region server child process and time one client's batched read
-(one segment per chunk; and as records: a 64-byte header segment plus the payload segment
-at the adjacent offset) and write of the same bytes. Samples are taken round-robin, so load
-from elsewhere on the machine hits every row alike. Prints medians, GB/s and the ratio to
-the floor measured in the same run.
+transport rows run a real tcp data node process (and its controller) and time one client's
+batched read (one segment per chunk; and as records: a 64-byte header segment plus the
+payload segment at the adjacent offset) and write of the same bytes. Samples are taken
+round-robin, so load from elsewhere on the machine hits every row alike. Prints medians,
+GB/s and the ratio to the floor measured in the same run.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from kvfabric._tools.cluster import Cluster
 from kvfabric.spi.transport import NodeEndpoint, Segment, TransportClient, TransportConfig
-from kvfabric.testing import RegionServer
 from kvfabric.transports.tcp import TcpTransport
 
 _REQUEST = struct.Struct("<QQ")  # count, size; (0, 0) ends the floor server
@@ -133,7 +133,10 @@ def main(argv: list[str] | None = None) -> int:
 
     shapes = [(64, 4 << 20), (64, 256 << 10)]
     capacity = max(count * (_HEADER + size) for count, size in shapes)
-    node = RegionServer("tcp", capacity=capacity, region_size=capacity)
+    # A real node process (and its controller), as clients meet it; no test dependencies.
+    cluster = Cluster(nodes=1, transports=("tcp",), capacity=str(capacity))
+    info = cluster.node_infos()[0]
+    endpoint = next(e for e in info.endpoints if e.transport == "tcp")
     raw = subprocess.Popen(
         [sys.executable, __file__, "--raw-server", str(capacity)], stdout=subprocess.PIPE, text=True
     )
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for count, size in shapes:
                 total = count * size
-                rows = _table(sock, node.endpoint, count, size, args.repeat)
+                rows = _table(sock, endpoint, count, size, args.repeat)
                 floor = rows[0][1]
                 print(f"\n{count} x {size >> 10} KiB ({total >> 20} MiB), median of {args.repeat}")
                 print(f"{'path':<46} {'median ms':>10} {'GB/s':>8} {'x floor':>8}")
@@ -155,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             sock.sendall(_REQUEST.pack(0, 0))
     finally:
         raw.wait(timeout=10)
-        node.close()
+        cluster.close()
     return 0
 
 

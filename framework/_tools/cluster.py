@@ -1,8 +1,9 @@
-"""A real kvfabric deployment on 127.0.0.1 for tests: controller and data-node processes.
+"""A real kvfabric deployment on 127.0.0.1: controller and data-node processes.
 
 ``Cluster`` starts ``kvfabric controller`` and ``kvfabric node`` as child processes (the
 same commands an operator runs), waits until every node is registered, and can kill, stop,
 continue or restart any of them, so fault tests exercise the real processes and sockets.
+``kvfabric bench`` uses it too, so it lives here and imports nothing of the test suite.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvfabric._control.client import ControlClient
 from kvfabric._control.remote_index import RemoteIndex, fetch_stats
 from kvfabric._control.security import Credentials
 from kvfabric.errors import ControllerUnavailableError
+from kvfabric.spi.index import NodeInfo
 
 __all__ = ["Cluster", "free_port"]
 
@@ -175,14 +177,18 @@ class Cluster:
         credentials = Credentials.from_secret(self.secret) if self.secret else None
         return ControlClient(self.endpoint, timeout=2.0, credentials=credentials)
 
-    def node_names(self) -> list[str]:
+    def node_infos(self) -> list[NodeInfo]:
+        """What the controller knows of each registered node (regions, transport endpoints)."""
         client = self._client()
         try:
-            return sorted(n.name for n in RemoteIndex(client).nodes())
+            return sorted(RemoteIndex(client).nodes(), key=lambda n: n.name)
         except ControllerUnavailableError:
             return []
         finally:
             client.close()
+
+    def node_names(self) -> list[str]:
+        return [n.name for n in self.node_infos()]
 
     def wait_nodes(self, count: int, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout

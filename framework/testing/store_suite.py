@@ -7,7 +7,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -346,38 +346,71 @@ class StoreConformance:
         assert got == values
 
     def test_event_loop_keeps_running_during_a_large_get(self, store_url: str) -> None:
-        """Loop lag while 64 x 4 MiB land must stay well under the get's own duration."""
+        """The loop keeps ticking while 3 x 64 x 4 MiB land, and the get runs off its thread.
 
-        async def scenario() -> tuple[float, float]:
+        Outcomes only, so a busy machine cannot fail it: the loop made progress while the
+        gets were awaited, and the store touched the buffers from a thread other than the
+        loop's. The loop's worst lag is printed, never compared with a time.
+        """
+
+        async def scenario() -> tuple[int, float, float, set[int], int]:
             async with await kvfabric.connect_async(store_url) as astore:
                 keys = _keys(64)
                 chunk = os.urandom(4 << 20)
                 await astore.batched_put(keys, [chunk] * 64)
                 await astore.batched_contains(keys)
+                into = _ThreadSpy(bytearray(len(chunk)) for _ in keys)
+                ticks = 0
                 lag = 0.0
                 done = asyncio.Event()
 
                 async def ticker() -> None:
-                    nonlocal lag
+                    nonlocal ticks, lag
                     while not done.is_set():
                         t = time.perf_counter()
                         await asyncio.sleep(0.001)
                         lag = max(lag, time.perf_counter() - t - 0.001)
+                        ticks += 1
 
                 tick = asyncio.create_task(ticker())
                 await asyncio.sleep(0.01)
+                ticks_during = 0
                 started = time.perf_counter()
                 for _ in range(3):
-                    got = await astore.batched_get(keys)
+                    before = ticks
+                    got = await astore.batched_get(keys, into=into)
+                    ticks_during += ticks - before
                     assert all(g is not None and bytes(g[:64]) == chunk[:64] for g in got)
                 duration = time.perf_counter() - started
                 done.set()
                 await tick
-                return lag, duration
+                return ticks_during, lag, duration, into.threads, threading.get_ident()
 
-        lag, duration = asyncio.run(scenario())
+        ticks, lag, duration, threads, loop_thread = asyncio.run(scenario())
         print(
-            f"\nevent-loop lag during 3 x 64 x 4 MiB get: max {lag * 1e3:.1f} ms "
-            f"over {duration * 1e3:.0f} ms"
+            f"\nevent loop during 3 x 64 x 4 MiB get: {ticks} ticks, max lag "
+            f"{lag * 1e3:.1f} ms over {duration * 1e3:.0f} ms"
         )
-        assert lag < max(0.5 * duration / 3, 0.05)
+        assert ticks > 0
+        assert threads
+        assert loop_thread not in threads
+
+
+class _ThreadSpy(list[Any]):
+    """A list of buffers that records which threads read it."""
+
+    def __init__(self, items: Iterable[Any]) -> None:
+        super().__init__(items)
+        self.threads: set[int] = set()
+
+    def __len__(self) -> int:
+        self.threads.add(threading.get_ident())
+        return super().__len__()
+
+    def __getitem__(self, index: Any) -> Any:
+        self.threads.add(threading.get_ident())
+        return super().__getitem__(index)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.threads.add(threading.get_ident())
+        return super().__iter__()

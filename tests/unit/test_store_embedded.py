@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 from collections.abc import Mapping, Sequence
@@ -15,7 +16,8 @@ from kvfabric.errors import ConfigError
 from kvfabric.keys import chain_keys
 from kvfabric.spi import hookimpl
 from kvfabric.spi.plugins import PluginManager
-from kvfabric.spi.record import record_size
+from kvfabric.spi.record import HEADER_SIZE, record_size
+from kvfabric.testing import corrupt_payload
 
 
 def _name() -> str:
@@ -125,3 +127,49 @@ def test_plugins_observe_lookups_and_configuration() -> None:
         assert observer.seen.wait(5)
     assert observer.calls == [(3, 2)]
     assert observer.configs[0]["capacity"] == 1 << 20
+
+
+def test_locate_is_one_counted_rpc_and_leaves_the_prefetch_cache_alone() -> None:
+    with kvfabric.connect("embedded://?capacity=1MiB") as store:
+        keys = _keys(3)
+        store.batched_put(keys[:2], [b"a" * 10, b"b" * 20])
+        before = store.stats()["control_rpcs"]
+        located = store.locate(keys)
+        assert store.stats()["control_rpcs"] - before == 1
+        assert [d.length if d else None for d in located] == [10, 20, None]
+        assert store.prefetched(keys) == [None, None, None]
+
+
+def test_raw_slot_access_stays_inside_the_record() -> None:
+    with kvfabric.connect("embedded://?capacity=1MiB") as store:
+        keys = _keys(1)
+        store.batched_put(keys, [b"payload!"])
+        (d,) = store.locate(keys)
+        assert d is not None
+        raw = bytearray(HEADER_SIZE + 8)
+        store.records.read_slot(d, 0, raw)
+        assert raw[HEADER_SIZE:] == b"payload!"
+        with pytest.raises(ValueError, match="outside a record"):
+            store.records.read_slot(d, 1, bytearray(HEADER_SIZE + 8))
+        with pytest.raises(ValueError, match="outside a record"):
+            store.records.write_slot(d, -1, b"x")
+
+
+def test_a_corrupt_record_in_a_pipelined_batch_is_the_only_miss() -> None:
+    # 48 x 1 MiB is read in two groups (32 MiB each), validated while the next one lands.
+    with kvfabric.connect("embedded://?capacity=64MiB") as store:
+        keys = _keys(48)
+        values = [os.urandom(1 << 20) for _ in keys]
+        assert store.batched_put(keys, values) == [PutOutcome.STORED] * 48
+        corrupt_payload(store, keys[40], at=12345)
+        assert store.batched_contains(keys) == 48
+        before = store.stats()
+        got = store.batched_get(keys, into=[bytearray(1 << 20) for _ in keys])
+        after = store.stats()
+        assert [bytes(g) if g is not None else None for g in got] == [
+            *values[:40],
+            None,
+            *values[41:],
+        ]
+        assert after["validation_failures"] - before["validation_failures"] == 1
+        assert after["payload_bytes_read"] - before["payload_bytes_read"] == 48 << 20

@@ -48,22 +48,27 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_plugins(args: argparse.Namespace) -> int:
     from importlib import import_module
 
+    from kvfabric.spi.options import Plugin
     from kvfabric.spi.plugins import install_hint, installed_plugins, plugin_manager
 
     manager = plugin_manager()
     rows = [("kind", "name", "status", "distribution", "entry point")]
     problems: list[str] = []
+    options: list[str] = []
     for plugin in installed_plugins():
         status = "ok"
         try:
+            cls: type[Plugin] | None = None
             if plugin.kind == "transport":
-                manager.transport(plugin.name)
+                cls = manager.transport(plugin.name)
             elif plugin.kind == "backend":
-                manager.backend(plugin.name)
+                cls = manager.backend(plugin.name)
             elif plugin.kind == "index":
-                manager.index(plugin.name)
+                cls = manager.index(plugin.name)
             else:
                 import_module(plugin.target.partition(":")[0])
+            for spec in cls.options if cls is not None else ():
+                options.append(f"  {plugin.name}.{spec.describe()}")
         except (KvfabricError, ImportError) as exc:
             status = "unavailable"
             reason = str(exc)
@@ -81,6 +86,12 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
             )
         )
     _print_table(rows)
+    if options:
+        print(
+            "\noptions (?NAME.OPTION=VALUE in a store URL; on the server commands "
+            "--transport-opt, --backend-opt, --index-opt NAME.OPTION=VALUE):"
+        )
+        print("\n".join(options))
     if problems:
         print("\nunavailable here:")
         print("\n".join(problems))

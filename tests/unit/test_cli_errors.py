@@ -193,3 +193,19 @@ def test_help_shows_defaults_and_units() -> None:
     assert "about a second" in demo
     assert "--sessions SESSIONS chat sessions (default: 8)" in demo
     assert "stored once already" in demo
+
+
+def test_plugins_gives_every_unavailable_plugin_a_reason_and_an_install_command() -> None:
+    result = subprocess.run([*_KVFABRIC, "plugins"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    table, _, rest = result.stdout.partition("\n\n")
+    unavailable = [
+        (row.split()[0], row.split()[1]) for row in table.splitlines() if " unavailable " in row
+    ]
+    lines = rest.splitlines()
+    for kind, name in unavailable:
+        at = next(i for i, line in enumerate(lines) if line.startswith(f"  {kind} {name}: "))
+        entry = [lines[at]] + [line for line in lines[at + 1 : at + 2] if line.startswith("    ")]
+        assert "pip install" in " ".join(entry), (kind, name, rest)
+    assert "tcp.pool (default 8)" in rest
+    assert "--transport-opt" in rest

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import shutil
@@ -91,3 +93,20 @@ def test_readme_demo_command_works_on_a_fresh_checkout(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "wrong values" in result.stdout
     assert "RPCs per lookup+get" in result.stdout
+
+
+def test_every_kvfabric_option_the_readme_names_exists() -> None:
+    from kvfabric._tools.cli import build_parser
+
+    commands = ("demo", "plugins", "controller", "node", "serve", "bench", "stats")
+    helps = []
+    for command in commands:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--help"])
+        helps.append(out.getvalue())
+    known = set(re.findall(r"--[a-z][a-z-]+", "\n".join(helps)))
+    # Options of other programs the README quotes (vLLM, tox, mypy).
+    others = {"--kv-transfer-config", "--prefix-caching-hash-algo", "--skip-env", "--strict"}
+    named = set(re.findall(r"--[a-z][a-z-]+", (ROOT / "README.md").read_text()))
+    assert named - others - known == set()

@@ -251,7 +251,8 @@ def test_cli_lists_third_party_plugins(plugin_dir: Path) -> None:
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
-    lines = {line.split()[1]: line for line in result.stdout.splitlines()[1:]}
+    table = result.stdout.split("\n\n")[0]  # options and problems follow a blank line
+    lines = {line.split()[1]: line for line in table.splitlines()[1:]}
     assert "kvfabric_mirror 0.0.1" in lines["mirror"]
     assert " ok " in lines["mirror"]
     assert "unavailable" in lines["broken"]

@@ -244,9 +244,10 @@ def test_stats_are_available_as_prometheus_text_and_json(cluster: Cluster) -> No
     base = [sys.executable, "-m", "kvfabric", "stats", "--controller", cluster.endpoint]
     prom = subprocess.run([*base, "--format", "prometheus"], capture_output=True, text=True)
     assert prom.returncode == 0, prom.stderr
-    metrics = dict(line.rsplit(" ", 1) for line in prom.stdout.splitlines())
-    assert int(metrics["kvfabric_index_dedup_hits"]) >= 3
-    assert 'kvfabric_node_capacity_bytes{node="1",name="node0"}' in metrics
+    samples = [line for line in prom.stdout.splitlines() if not line.startswith("#")]
+    metrics = dict(line.rsplit(" ", 1) for line in samples)
+    assert float(metrics["kvfabric_index_dedup_hits_total"]) >= 3
+    assert 'kvfabric_node_capacity_bytes{name="node0",node="1"}' in metrics
     as_json = subprocess.run([*base, "--format", "json"], capture_output=True, text=True)
     scopes = json.loads(as_json.stdout)
-    assert scopes["index"]["dedup_hits"] == int(metrics["kvfabric_index_dedup_hits"])
+    assert scopes["index"]["dedup_hits"] == float(metrics["kvfabric_index_dedup_hits_total"])

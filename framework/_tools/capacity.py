@@ -53,6 +53,7 @@ def check_capacity(
     backend: type[Backend],
     *,
     option: str = "--capacity",
+    region_option: str = "--region-size",
 ) -> None:
     """Raise :class:`ConfigError` for a capacity this node cannot or should not allocate."""
     smallest = record_size(1)
@@ -61,6 +62,11 @@ def check_capacity(
             f"{option} {capacity} bytes is smaller than one slot ({smallest} bytes: a "
             f"record header and one payload block); a size without a unit is bytes: "
             f"write e.g. {capacity}GiB"
+        )
+    if region_size < smallest:
+        raise ConfigError(
+            f"{region_option} {region_size} bytes is smaller than one slot ({smallest} bytes); "
+            "give it with a unit, e.g. 1GiB"
         )
     if backend.memory_kind is not MemoryKind.DRAM:
         return
@@ -85,5 +91,5 @@ def check_capacity(
         raise ConfigError(
             f"{option} {format_size(capacity)} in regions of {format_size(region_size)} is "
             f"{regions} regions, each holding a file descriptor, but this process may open "
-            f"{soft} (ulimit -n); use a larger --region-size or raise the limit"
+            f"{soft} (ulimit -n); use a larger {region_option} or raise the limit"
         )

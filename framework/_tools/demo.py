@@ -98,6 +98,7 @@ def check_demo_store(config: DemoConfig) -> None:
             min(options.region_size, options.capacity),
             plugin_manager().backend(options.backend),
             option="capacity",
+            region_option="region_size",
         )
 
 

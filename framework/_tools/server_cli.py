@@ -75,6 +75,17 @@ def _duration(text: str, option: str) -> float:
         raise ConfigError(f"{option}: {exc}") from None
 
 
+def _port(text: str) -> int:
+    """A TCP port for argparse: 0 (any free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535 (0: any free one), got {value}")
+    return value
+
+
 def _credentials(args: argparse.Namespace) -> Credentials | None:
     secret = load_secret(args.secret_file)
     return Credentials.from_secret(secret) if secret else None
@@ -444,7 +455,7 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--advertise", default=None, help="host clients use to reach this node (for 0.0.0.0)"
     )
-    parser.add_argument("--port", type=int, default=0, help="data port (0: any free one)")
+    parser.add_argument("--port", type=_port, default=0, help="data port (0: any free one)")
     parser.add_argument("--name", default=None, help="stable node name (default: random)")
     parser.add_argument(
         "--heartbeat",
@@ -464,7 +475,7 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
 def _add_metrics_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port",
-        type=int,
+        type=_port,
         default=None,
         metavar="PORT",
         help="serve Prometheus metrics on http://METRICS_HOST:PORT/metrics (0: any free "

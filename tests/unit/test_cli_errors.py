@@ -101,6 +101,7 @@ def test_a_metrics_port_in_use_is_one_line() -> None:
         (("serve", "--capacity", "16"), "smaller than one slot"),
         (("serve", "--capacity", "100TiB"), "more than this machine's memory"),
         (("serve", "--lease", "soon"), "--lease: not a duration: 'soon'"),
+        (("serve", "--capacity", "64MiB", "--region-size", "0"), "--region-size 0 bytes"),
         (("demo", "--url", "embedded://?capacity=100TiB"), "more than this machine's memory"),
     ],
 )

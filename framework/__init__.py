@@ -3,6 +3,12 @@
 ``kvfabric.connect(url)`` gives a :class:`Store`; ``await kvfabric.connect_async(url)`` an
 :class:`AsyncStore`. Keys are 32-byte content addresses made with :func:`chain_key` (from
 tokens) or :func:`fold_key` (from an engine's own hash).
+
+Reads (``batched_contains``, ``batched_exists``, ``batched_get``, ``batched_get_scattered``,
+``locate``) never raise because a controller, a data node or a transport failed: the failure
+is counted in ``stats()`` and reads as a miss; ``batched_put`` answers ``PutOutcome.FAILED``
+and ``delete`` 0. Only programming errors raise (a bad key, ``into`` of the wrong length, a
+value over ``max_value``).
 """
 
 from __future__ import annotations

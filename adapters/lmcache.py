@@ -12,7 +12,8 @@ and the adapter builds one :class:`KVFabricConnector` per LMCache remote backend
 of N chunks and their retrieval cost one kvfabric control round trip: the lookup keeps the
 descriptors it resolved (the store's prefetch cache) and the read uses them, landing each
 chunk straight in the ``MemoryObj`` LMCache allocated. A kvfabric outage reads as misses.
-See docs/lmcache.md.
+Each connector warns at start-up when LMCache's chunk keys would differ between engine
+processes (``lmcache_hashing``): nothing would be shared. See docs/lmcache.md.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import kvfabric
 from kvfabric import PutOutcome, Store
+from kvfabric.adapters.lmcache_hashing import warn_if_chunk_hashes_unshared
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ConfigError, KvfabricError, PluginUnavailableError
 from kvfabric.keys import fold_key, namespace_bytes
@@ -218,6 +220,7 @@ class KVFabricConnector(RemoteConnector):  # type: ignore[misc]
     ) -> None:
         super().__init__(config, metadata)
         options = parse_url(url).options  # a bad URL fails here, with what is accepted
+        warn_if_chunk_hashes_unshared(config)
         self.url = url
         self.plugin_name = plugin_name
         self.local_cpu_backend = local_cpu_backend

@@ -44,6 +44,7 @@ from kvfabric.adapters.lmcache import (
     _Lookups,
     fold_cache_key,
 )
+from kvfabric.adapters.lmcache_hashing import chunk_hash_problem
 from kvfabric.testing import Cluster, free_port
 
 CHUNK = 16  # tokens per chunk
@@ -778,6 +779,83 @@ def test_lookup_state_is_bounded_and_expires() -> None:
     assert lookups.take("req-3") is None  # expired
     lookups.remember("req-5", [5], [b"5" * 32], [None])
     assert len(lookups) == 1  # expired entries leave when new ones come
+
+
+# -- chunk keys across engine processes ---------------------------------------------------------
+
+
+def kvfabric_records(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "kvfabric.lmcache" and r.levelno == level
+    ]
+
+
+def test_lmcaches_default_hash_without_pythonhashseed_warns_with_the_fix(
+    cluster: Cluster,
+    engines: Callable[..., Engine],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # tox sets one
+    with caplog.at_level(logging.INFO, "kvfabric.lmcache"):
+        engines(cluster.url())  # pre_caching_hash_algorithm: builtin, LMCache's default
+    (warning,) = kvfabric_records(caplog, logging.WARNING)
+    assert "Python's hash() (pre_caching_hash_algorithm: builtin" in warning
+    assert "no other engine process finds the chunks this one stores" in warning
+    assert "same PYTHONHASHSEED" in warning
+
+
+def test_a_seeded_engine_process_is_not_warned_and_is_told_the_seed(
+    cluster: Cluster,
+    engines: Callable[..., Engine],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    with caplog.at_level(logging.INFO, "kvfabric.lmcache"):
+        engines(cluster.url())
+    assert kvfabric_records(caplog, logging.WARNING) == []
+    assert any("PYTHONHASHSEED=0" in m for m in kvfabric_records(caplog, logging.INFO))
+
+
+def test_sha256_cbor_without_vllm_installed_is_still_pythons_hash_and_warns(
+    cluster: Cluster,
+    engines: Callable[..., Engine],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # This env has no vLLM, and LMCache takes sha256_cbor from vLLM: it falls back to hash().
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with caplog.at_level(logging.INFO, "kvfabric.lmcache"):
+        engines(cluster.url(), pre_caching_hash_algorithm="sha256_cbor")
+    (warning,) = kvfabric_records(caplog, logging.WARNING)
+    assert "sha256_cbor is taken from vLLM, which is not installed here" in warning
+
+
+def test_chunk_hashes_are_reported_unshared_exactly_where_lmcache_salts_or_randomizes_them() -> (
+    None
+):
+    def problem(algorithm: str, seed: str | None, vllm: bool = True) -> str | None:
+        return chunk_hash_problem(algorithm, pythonhashseed=seed, vllm_installed=vllm)
+
+    # Deterministic in every process: sha256 from vLLM, or a shared seed.
+    for algorithm in ("sha256_cbor", "sha256", "sha256_cbor_64bit"):
+        assert problem(algorithm, None) is None
+        assert problem(algorithm, "0") is None
+    for algorithm in ("builtin", "xxhash", "xxhash_cbor"):
+        assert problem(algorithm, "0") is None
+    # Per-process: hash() without a seed (PYTHONHASHSEED=random is no seed), xxhash unseeded.
+    assert "hash() of a string" in (problem("builtin", None) or "")
+    assert problem("builtin", "random") is not None
+    assert "random bytes" in (problem("xxhash", None) or "")
+    assert "random bytes" in (problem("xxhash_cbor", None) or "")
+    assert "does not know 'md5'" in (problem("md5", None) or "")
+    # Without vLLM every name is hash(), which only a seed makes safe.
+    assert problem("sha256_cbor", None, vllm=False) is not None
+    assert problem("sha256_cbor", "7", vllm=False) is None
+    assert problem("builtin", None, vllm=False) is not None
 
 
 # -- LMCache's own check ------------------------------------------------------------------------

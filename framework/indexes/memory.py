@@ -471,7 +471,7 @@ class MemoryIndex(IndexPlugin):
             self._counters["early_reuse"] += 1
 
     def _oldest(self, count: int) -> list[bytes]:
-        oldest = []
+        oldest: list[bytes] = []
         for key in self._lru:
             if len(oldest) == count:
                 break

@@ -18,7 +18,7 @@ import attrs
 import numpy as np
 
 import kvfabric
-from kvfabric._tools.capacity import check_capacity
+from kvfabric._node.capacity import check_capacity
 from kvfabric._tools.progress import Progress
 from kvfabric.keys import chain_keys
 from kvfabric.options import EmbeddedOptions, parse_url

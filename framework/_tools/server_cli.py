@@ -24,8 +24,8 @@ from kvfabric._control.controller import Controller
 from kvfabric._control.remote_index import fetch_stats
 from kvfabric._control.security import Credentials, load_secret
 from kvfabric._node.agent import NodeAgent
+from kvfabric._node.capacity import check_capacity
 from kvfabric._node.node import DataNode
-from kvfabric._tools.capacity import check_capacity
 from kvfabric._tools.endpoints import control_endpoint, listen_error
 from kvfabric._tools.metrics import MetricsServer, Scopes, ScopesCollector
 from kvfabric.errors import ConfigError, TransportError

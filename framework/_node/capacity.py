@@ -21,7 +21,7 @@ from kvfabric.spi.units import format_size
 
 __all__ = ["check_capacity", "memory_limit"]
 
-log = logging.getLogger("kvfabric._tools.capacity")
+log = logging.getLogger("kvfabric._node.capacity")
 
 # File descriptors left for sockets, logs and libraries once every region holds one.
 _SPARE_FDS = 256

@@ -94,12 +94,20 @@ class ControlClient:
                 return
         sock.close(linger=0)
 
-    def call(self, msg_type: MsgType, body: bytes = b"", *, timeout: float | None = None) -> Reader:
+    def call(
+        self,
+        msg_type: MsgType,
+        body: bytes = b"",
+        *,
+        timeout: float | None = None,
+        wait_connect: bool = True,
+    ) -> Reader:
         """Send one request and return a reader over the reply body.
 
-        ``timeout`` bounds this call instead of the client's ``timeout``. Raises
-        :class:`ControllerUnavailableError` when no reply comes, and
-        :class:`ControllerRefusedError` for an ``ERROR`` reply.
+        ``timeout`` bounds this call instead of the client's ``timeout``; with
+        ``wait_connect=False`` a call finding no connection up fails at once instead of
+        waiting for one. Raises :class:`ControllerUnavailableError` when no reply comes,
+        and :class:`ControllerRefusedError` for an ``ERROR`` reply.
         """
         now = time.monotonic()
         if now < self._down_until:
@@ -114,7 +122,8 @@ class ControlClient:
                 sock.send(frame, zmq.NOBLOCK)
             except zmq.Again:
                 # Not connected (yet): the socket never queues for an absent controller.
-                if not sock.poll(self._remaining_ms(deadline), zmq.POLLOUT):
+                wait = self._remaining_ms(deadline) if wait_connect else 0
+                if not sock.poll(wait, zmq.POLLOUT):
                     raise ControllerUnavailableError(f"no controller at {self.endpoint}") from None
                 sock.send(frame, zmq.NOBLOCK)
             while True:

@@ -98,8 +98,9 @@ class NodeAgent:
     def stop(self, *, deregister: bool = True) -> None:
         """Stop heartbeating and, unless told not to, deregister the node.
 
-        Deregistering is one bounded round trip (at most the agent's ``timeout``); if the
-        controller does not answer, it drops the node after missed heartbeats as before.
+        Deregistering is one bounded round trip (at most the agent's ``timeout``, and none
+        when no connection to the controller is up, e.g. it stopped first in ``serve``); if
+        the controller does not answer, it drops the node after missed heartbeats as before.
         Pass ``deregister=False`` when the controller is known to be gone already.
         """
         self._stop.set()
@@ -110,9 +111,10 @@ class NodeAgent:
         if deregister and registered is not None and not self._thread.is_alive():
             body = p.write_deregister(registered.id, registered.incarnation)
             try:
-                self._client.call(MsgType.DEREGISTER_NODE, body).end()
+                self._client.call(MsgType.DEREGISTER_NODE, body, wait_connect=False).end()
                 log.info("deregistered node %d", registered.id)
             except KvfabricError as exc:
-                log.warning("could not deregister node %d (%s)", registered.id, exc)
+                # Best effort: the controller drops the node after missed heartbeats anyway.
+                log.info("could not deregister node %d (%s)", registered.id, exc)
             self.registered = None
         self._client.close()

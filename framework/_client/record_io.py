@@ -94,8 +94,8 @@ class RecordIO:
     """Reads and writes records on the data nodes a store knows; thread-safe.
 
     Public for tools and tests (``Store.records``): :meth:`read_slot` and :meth:`write_slot`
-    move raw bytes of one record's slot, and :meth:`transport_of` says which transport
-    reaches a node. The rest is the store's.
+    move raw bytes of one record's slot; :meth:`reaches` and :meth:`transport_of` say
+    whether and over which transport a node is reached. The rest is the store's.
     """
 
     def __init__(self, clients: Mapping[str, TransportClient], preference: Sequence[str]) -> None:

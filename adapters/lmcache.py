@@ -34,7 +34,7 @@ import kvfabric
 from kvfabric import PutOutcome, Store
 from kvfabric.adapters.lmcache_hashing import warn_if_chunk_hashes_unshared
 from kvfabric.descriptor import Descriptor
-from kvfabric.errors import ConfigError, KvfabricError, PluginUnavailableError
+from kvfabric.errors import ConfigError, PluginUnavailableError, ValueTooLargeError
 from kvfabric.keys import fold_key, namespace_bytes
 from kvfabric.options import parse_url
 from kvfabric.spi import copy_into
@@ -293,11 +293,8 @@ class KVFabricConnector(RemoteConnector):  # type: ignore[misc]
         if self._closed or not keys:
             return 0, []
         folded = [self.fold(k) for k in keys]
-        try:
-            return self.store.batched_contains(folded), folded
-        except KvfabricError as exc:
-            log.warning("kvfabric lookup failed (%s): a miss", exc)
-            return 0, folded
+        # An outage answers 0 (the store counts and logs it): a miss, never an exception.
+        return self.store.batched_contains(folded), folded
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -352,7 +349,8 @@ class KVFabricConnector(RemoteConnector):  # type: ignore[misc]
         if head:
             into = [[headers[i * head : (i + 1) * head], buf] for i, buf in enumerate(into)]
         try:
-            landed = self._store_get(folded[: len(objs)], into)
+            # An unreachable node or controller reads as misses, like an invalid record.
+            landed = self.store.batched_get(folded[: len(objs)], into=into)
         except BaseException:
             _release(objs)
             raise
@@ -417,15 +415,6 @@ class KVFabricConnector(RemoteConnector):  # type: ignore[misc]
         # freed; a miss lets the engine recompute instead.
         return self.local_cpu_backend.allocate(shapes, dtypes, fmt, eviction=True, busy_loop=False)
 
-    def _store_get(
-        self, folded: Sequence[bytes], into: Sequence[Any]
-    ) -> Sequence[memoryview | None]:
-        try:
-            return self.store.batched_get(folded, into=into)
-        except KvfabricError as exc:
-            log.warning("kvfabric read failed (%s): misses", exc)
-            return [None] * len(folded)
-
     # -- writes --------------------------------------------------------------------------------
 
     async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
@@ -456,10 +445,12 @@ class KVFabricConnector(RemoteConnector):  # type: ignore[misc]
         values = (
             [self._pack(o) for o in objs] if self.save_chunk_meta else [o.byte_array for o in objs]
         )
+        # An outage comes back as FAILED outcomes (counted by the store): those stay unlisted.
         try:
             outcomes = self.store.batched_put(folded, values)
-        except KvfabricError as exc:
-            log.warning("kvfabric put of %d chunks failed (%s): not stored", len(keys), exc)
+        except ValueTooLargeError as exc:
+            # A chunk larger than the store's max_value: configuration, not an outage.
+            log.error("kvfabric: %d chunks not stored: %s", len(keys), exc)
             return
         for key, k, outcome in zip(keys, folded, outcomes, strict=True):
             if outcome in (PutOutcome.STORED, PutOutcome.DEDUPLICATED):
@@ -480,11 +471,8 @@ class KVFabricConnector(RemoteConnector):  # type: ignore[misc]
         self._stored.drop(folded)
         if self._closed:
             return False
-        try:
-            return self.store.delete([folded]) > 0
-        except KvfabricError as exc:
-            log.warning("kvfabric delete failed (%s)", exc)
-            return False
+        # 0 when the controller cannot be asked (counted by the store as delete_failures).
+        return self.store.delete([folded]) > 0
 
     # -- the rest ------------------------------------------------------------------------------
 
@@ -497,14 +485,9 @@ class KVFabricConnector(RemoteConnector):  # type: ignore[misc]
         folded, names = self._stored.snapshot()
         if not folded or self._closed:
             return []
-        present = await self._lookup(self._exists, folded)
+        # All False while the controller is away (the store counts it).
+        present = await self._lookup(self.store.batched_exists, folded)
         return [n for n, here in zip(names, present, strict=True) if here]
-
-    def _exists(self, folded: builtins.list[bytes]) -> builtins.list[bool]:
-        try:
-            return self.store.batched_exists(folded)
-        except KvfabricError:
-            return [False] * len(folded)
 
     async def ping(self) -> int:
         """0 when the controller answers, 1 when it does not."""

@@ -28,6 +28,7 @@ from kvfabric.adapters.vllm_keys import KeySpace, Rank
 from kvfabric.adapters.vllm_metadata import KVFabricHandshake, KVFabricMetadata, Transfer
 from kvfabric.adapters.vllm_pages import PagedKV
 from kvfabric.descriptor import Descriptor
+from kvfabric.errors import ValueTooLargeError
 from kvfabric.spi import Counters
 
 __all__ = ["WORKER_COUNTERS", "WorkerSide", "backend_description", "current_rank"]
@@ -204,21 +205,14 @@ class WorkerSide:
             # Host pages: each value lands straight in its block's page of every layer (one
             # copy, by the transport; the checksum runs over the pages). A block that fails
             # holds garbage, and is reported below so vLLM recomputes it over that garbage.
-            try:
-                flags = self._store.batched_get_scattered(keys, host_pages)  # type: ignore[arg-type]
-            except Exception as exc:
-                log.warning("KVFabricConnector: read failed (%s): recomputing", exc)
-                flags = [False] * len(keys)
+            # An unreachable node or controller reads as misses, like an invalid record.
+            flags = self._store.batched_get_scattered(keys, host_pages)  # type: ignore[arg-type]
             landed = time.perf_counter_ns()
             good = [i for i, ok in enumerate(flags) if ok]
         else:
             # Device pages: values land in a pinned staging buffer, then copy to the device.
             landing = self._landing_buffer(pages, len(keys))
-            try:
-                values = self._store.batched_get(keys, into=[row.numpy() for row in landing])
-            except Exception as exc:
-                log.warning("KVFabricConnector: read failed (%s): recomputing", exc)
-                values = [None] * len(keys)
+            values = self._store.batched_get(keys, into=[row.numpy() for row in landing])
             landed = time.perf_counter_ns()
             size = pages.value_bytes
             good = [i for i, v in enumerate(values) if v is not None and v.nbytes == size]
@@ -254,11 +248,9 @@ class WorkerSide:
         )
         if drop and self._store is not None:
             # A record that failed validation would fail again; dropping it lets the
-            # recomputed block be stored in its place (an unreachable one is lost anyway).
-            try:
-                self._store.delete([keys[i] for i in bad])
-            except Exception as exc:
-                log.info("KVFabricConnector: could not drop bad records (%s)", exc)
+            # recomputed block be stored in its place (an unreachable one is lost anyway,
+            # and a delete the controller cannot take answers 0).
+            self._store.delete([keys[i] for i in bad])
 
     def take_load_errors(self) -> set[int]:
         """Block ids that failed to load since the last call (vLLM recomputes them)."""
@@ -297,11 +289,13 @@ class WorkerSide:
         self._last_save = self._saver.submit(self._put, keys, values)
 
     def _put(self, keys: list[bytes], values: torch.Tensor) -> None:
+        # A controller or data-node failure comes back as FAILED outcomes, counted below.
         try:
             assert self._store is not None
             outcomes = self._store.batched_put(keys, [row.numpy() for row in values])
-        except Exception as exc:
-            log.warning("KVFabricConnector: save failed (%s): %d blocks not stored", exc, len(keys))
+        except ValueTooLargeError as exc:
+            # A block larger than the store's max_value: configuration, not an outage.
+            log.error("KVFabricConnector: blocks not stored: %s", exc)
             self.counters.add("save_failed_blocks", len(keys))
         else:
             stored = sum(o is kvfabric.PutOutcome.STORED for o in outcomes)

@@ -743,6 +743,17 @@ def test_controller_outage_reads_as_misses_not_exceptions(
     assert same_bytes(engine.retrieve(keys[:1])[0], chunks[0])
 
 
+def test_a_chunk_over_the_stores_max_value_is_not_stored_and_raises_nothing(
+    cluster: Cluster, engines: Callable[..., Engine], caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = engines(cluster.url(max_value="1KiB"))  # a chunk here is 4 KiB
+    key = engine.key(1)
+    with caplog.at_level(logging.ERROR, "kvfabric.lmcache"):
+        engine.put(key, engine.chunk())
+    assert "max_value" in caplog.text
+    assert engine.lookup([key]) == (0, {})
+
+
 def test_a_closed_connector_answers_misses(
     cluster: Cluster, engines: Callable[..., Engine]
 ) -> None:

@@ -94,11 +94,12 @@ def url() -> str:
 
 @pytest.fixture
 def worker(url: str) -> Iterator[Callable[..., Worker]]:
-    """Makes workers on this test's store (``own_store=False``: one without a store)."""
+    """Makes workers on this test's store (``query``: client options; ``own_store=False``:
+    a worker without a store)."""
     made: list[Worker] = []
 
-    def make(*, own_store: bool = True, **options: object) -> Worker:
-        made.append(Worker(url if own_store else None, **options))  # type: ignore[arg-type]
+    def make(*, own_store: bool = True, query: str = "", **options: object) -> Worker:
+        made.append(Worker(url + query if own_store else None, **options))  # type: ignore[arg-type]
         return made[-1]
 
     yield make
@@ -179,6 +180,17 @@ def test_saves_beyond_the_pending_bound_are_skipped_and_counted(
     assert client.batched_contains(a.side.keys_for(HASHES, None)) == 0
     a.save((0, 1, 2), hashes=HASHES[:3])  # within the bound
     assert a.counters()["saved_blocks"] == 3
+
+
+def test_blocks_over_the_stores_max_value_are_counted_as_failed_saves_not_raised(
+    worker: Callable[..., Worker], client: kvfabric.Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = worker(seed=8, query="?max_value=1KiB")  # a block value here is 1.5 KiB
+    with caplog.at_level(logging.ERROR, "kvfabric.adapters.vllm"):
+        a.save((0, 1), hashes=HASHES[:2])  # flush() would raise what the saver thread raised
+    assert "max_value" in caplog.text
+    assert (a.counters()["save_failed_blocks"], a.counters()["saved_blocks"]) == (2, 0)
+    assert client.batched_contains(a.side.keys_for(HASHES[:2], None)) == 0
 
 
 def test_without_a_store_every_load_is_an_error_and_saves_are_dropped(

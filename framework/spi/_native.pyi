@@ -1,0 +1,41 @@
+# Types of the C extension built from framework/spi/csrc (contracts: kvfabric.spi.native).
+from collections.abc import Sequence
+
+from _typeshed import FileDescriptorLike, ReadableBuffer, WriteableBuffer
+
+GIL_RELEASE_MIN: int
+IOV_MAX: int
+HARDWARE_CRC32C: bool
+
+class PeerClosed(ConnectionError):
+    received: int
+
+def crc32c(data: ReadableBuffer, value: int = 0, /) -> int: ...
+def _crc32c_table(data: ReadableBuffer, value: int = 0, /) -> int: ...
+def crc32c_many(
+    values: Sequence[ReadableBuffer | Sequence[ReadableBuffer]],
+    initial: Sequence[int] | None = None,
+) -> list[int]: ...
+def copy_many(
+    pairs: Sequence[tuple[WriteableBuffer, ReadableBuffer]],
+    crc_spans: Sequence[tuple[int, int]] | None = None,
+) -> list[int]: ...
+def send_all(
+    fd: FileDescriptorLike, buffers: Sequence[ReadableBuffer], deadline: float | None
+) -> int: ...
+def recv_into_all(
+    fd: FileDescriptorLike,
+    buffers: Sequence[WriteableBuffer],
+    deadline: float | None,
+    crc_spans: Sequence[tuple[int, int]] | None = None,
+) -> list[int]: ...
+def exchange(
+    fd: FileDescriptorLike,
+    send: Sequence[ReadableBuffer],
+    reply: WriteableBuffer,
+    payloads: Sequence[WriteableBuffer],
+    deadline: float | None,
+    status_offset: int = 0,
+    crc_spans: Sequence[tuple[int, int]] | None = None,
+) -> list[int]: ...
+def gil_reacquisitions() -> int: ...

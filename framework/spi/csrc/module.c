@@ -1,0 +1,791 @@
+/* kvfabric.spi._native: batch operations that take the GIL back once per batch.
+ *
+ * Why: a GIL released while bytes move is not enough. Each time a thread takes the GIL
+ * back while another Python thread is busy, it waits out the interpreter's switch interval
+ * (5 ms by default), so a read released and re-took it per segment, per receive and per
+ * CRC piece ran 7-12x slower beside a busy thread. Every function here takes all of its
+ * Python objects (buffers, with their exports held so nothing can resize them) while it
+ * holds the GIL, checks them, releases the GIL once for the whole batch, and takes it back
+ * once at the end: the only extra returns are for signals arriving during a socket wait
+ * (so Ctrl-C still works), counted like every return by gil_reacquisitions().
+ *
+ * Plain C API with Py_buffer rather than cffi: the buffer protocol gives the pointer and
+ * length of any exporter (bytes, bytearray, mmap, numpy, memoryview) and pins it, the
+ * GIL is released by two macros, and the module has no run-time dependency.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <string.h>
+
+#include "crc32c.h"
+#include "stream.h"
+
+/* Batches below this many bytes keep the GIL: their work (~20-50 us at worst) costs a busy
+   neighbour less than the switch interval our return would wait out beside it. */
+#define GIL_RELEASE_MIN (256 * 1024)
+/* Fused copy+CRC works in chunks this size, so the CRC reads what the copy just wrote from
+   L2 rather than from memory. */
+#define COPY_CHUNK (64 * 1024)
+/* The same for receive+CRC: at most this many bytes per recvmsg when CRCs are asked. */
+#define RECV_CRC_WINDOW (256 * 1024)
+
+static PyObject *PeerClosed;
+static size_t iov_max;
+static _Thread_local unsigned long long reacquired;
+
+#define RELEASE_GIL(ts) ((ts) = PyEval_SaveThread())
+#define TAKE_GIL(ts)                                                                         \
+    do {                                                                                     \
+        PyEval_RestoreThread(ts);                                                            \
+        (ts) = NULL;                                                                         \
+        reacquired++;                                                                        \
+    } while (0)
+
+/* -- buffers ------------------------------------------------------------------------------ */
+
+typedef struct {
+    Py_buffer *v;
+    Py_ssize_t n;   /* acquired */
+    Py_ssize_t cap; /* allocated */
+} Views;
+
+static int views_init(Views *vs, Py_ssize_t cap) {
+    vs->n = 0;
+    vs->cap = cap;
+    vs->v = PyMem_Calloc(cap ? (size_t)cap : 1, sizeof(Py_buffer));
+    if (!vs->v) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void views_release(Views *vs) {
+    for (Py_ssize_t i = 0; i < vs->n; i++)
+        PyBuffer_Release(&vs->v[i]);
+    PyMem_Free(vs->v);
+    vs->v = NULL;
+    vs->n = 0;
+}
+
+/* Re-raise the pending error with where it happened in front ("pair 3: destination: ..."),
+   keeping its type and chaining the original; only for the types the buffer protocol
+   raises, whose constructors take a message. */
+static void name_error(const char *func, const char *what, Py_ssize_t index) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (!PyErr_GivenExceptionMatches(type, PyExc_TypeError) &&
+        !PyErr_GivenExceptionMatches(type, PyExc_BufferError) &&
+        !PyErr_GivenExceptionMatches(type, PyExc_ValueError)) {
+        PyErr_Restore(type, value, tb);
+        return;
+    }
+    PyErr_Format(type, "%s: %s %zd: %S", func, what, index, value);
+    PyObject *t2, *v2, *tb2;
+    PyErr_Fetch(&t2, &v2, &tb2);
+    PyErr_NormalizeException(&t2, &v2, &tb2);
+    if (v2 && value) {
+        PyException_SetCause(v2, value); /* steals value */
+        value = NULL;
+    }
+    PyErr_Restore(t2, v2, tb2);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+}
+
+static int get_view(Views *vs, PyObject *obj, int writable, const char *func, const char *what,
+                    Py_ssize_t index) {
+    int flags = writable ? PyBUF_WRITABLE : PyBUF_SIMPLE;
+    if (PyObject_GetBuffer(obj, &vs->v[vs->n], flags) < 0) {
+        name_error(func, what, index);
+        return -1;
+    }
+    vs->n++;
+    return 0;
+}
+
+/* Every item of `seq` as a buffer, appended to vs (which has room). */
+static int get_views(Views *vs, PyObject *fast, int writable, const char *func,
+                     const char *what) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (get_view(vs, items[i], writable, func, what, i) < 0)
+            return -1;
+    return 0;
+}
+
+/* -- CRC spans ---------------------------------------------------------------------------- */
+
+/* Parse crc_spans ((start, stop) index ranges over `count` buffers, in order, not
+   overlapping) into span_of[i] = span index or -1; returns the number of spans or -1. */
+static Py_ssize_t parse_spans(PyObject *spans, Py_ssize_t count, int32_t *span_of,
+                              const char *func) {
+    for (Py_ssize_t i = 0; i < count; i++)
+        span_of[i] = -1;
+    if (spans == NULL || spans == Py_None)
+        return 0;
+    PyObject *fast = PySequence_Fast(spans, "crc_spans must be a sequence of (start, stop)");
+    if (!fast)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (n > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: too many crc_spans", func);
+        goto fail;
+    }
+    Py_ssize_t previous_stop = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t start, stop;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, k), "nn;crc_spans items are (start, stop)",
+                              &start, &stop)) {
+            name_error(func, "crc span", k);
+            goto fail;
+        }
+        if (start < previous_stop || stop < start || stop > count) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: crc span %zd is (%zd, %zd): spans must be in order, not overlap "
+                         "and lie within the %zd buffers",
+                         func, k, start, stop, count);
+            goto fail;
+        }
+        for (Py_ssize_t i = start; i < stop; i++)
+            span_of[i] = (int32_t)k;
+        previous_stop = stop;
+    }
+    Py_DECREF(fast);
+    return n;
+fail:
+    Py_DECREF(fast);
+    return -1;
+}
+
+static PyObject *crc_list(const uint32_t *crcs, Py_ssize_t n) {
+    PyObject *out = PyList_New(n);
+    if (!out)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLong(crcs[i]);
+        if (!v) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+static int parse_crc_value(PyObject *obj, uint32_t *out, const char *func) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError) || PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "%s: a CRC value is an int in [0, 2**32)", func);
+        }
+        return -1;
+    }
+    if (v > 0xffffffffULL) {
+        PyErr_Format(PyExc_ValueError, "%s: a CRC value is an int in [0, 2**32)", func);
+        return -1;
+    }
+    *out = (uint32_t)v;
+    return 0;
+}
+
+/* -- crc32c --------------------------------------------------------------------------------- */
+
+static PyObject *one_crc(PyObject *args, int table_only) {
+    Py_buffer view;
+    unsigned long long value = 0;
+    if (!PyArg_ParseTuple(args, "y*|K", &view, &value))
+        return NULL;
+    if (value > 0xffffffffULL) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "crc32c: value is an int in [0, 2**32)");
+        return NULL;
+    }
+    uint32_t crc = (uint32_t)value;
+    if (table_only) {
+        crc = kvf_crc32c_table(crc, view.buf, (size_t)view.len);
+    } else if (view.len >= GIL_RELEASE_MIN) {
+        PyThreadState *ts;
+        RELEASE_GIL(ts);
+        crc = kvf_crc32c(crc, view.buf, (size_t)view.len);
+        TAKE_GIL(ts);
+    } else {
+        crc = kvf_crc32c(crc, view.buf, (size_t)view.len);
+    }
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLong(crc);
+}
+
+static PyObject *py_crc32c(PyObject *self, PyObject *args) { return one_crc(args, 0); }
+
+static PyObject *py_crc32c_table(PyObject *self, PyObject *args) { return one_crc(args, 1); }
+
+static PyObject *py_crc32c_many(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"values", "initial", NULL};
+    PyObject *values, *initial = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:crc32c_many", kwlist, &values, &initial))
+        return NULL;
+    const char *func = "crc32c_many";
+    PyObject *fast = PySequence_Fast(values, "crc32c_many: values must be a sequence");
+    if (!fast)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **inner = PyMem_Calloc(n ? (size_t)n : 1, sizeof(PyObject *));
+    Py_ssize_t *first = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
+    uint32_t *crcs = PyMem_Calloc(n ? (size_t)n : 1, sizeof(uint32_t));
+    Views vs = {NULL, 0, 0};
+    PyObject *result = NULL;
+    if (!inner || !first || !crcs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* A value is one buffer or a sequence of pieces; count the pieces first. */
+    Py_ssize_t pieces = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        first[i] = pieces;
+        if (PyObject_CheckBuffer(item)) {
+            pieces += 1;
+            continue;
+        }
+        inner[i] = PySequence_Fast(item, "a value is a buffer or a sequence of buffers");
+        if (!inner[i]) {
+            name_error(func, "value", i);
+            goto done;
+        }
+        pieces += PySequence_Fast_GET_SIZE(inner[i]);
+    }
+    first[n] = pieces;
+    if (initial != Py_None) {
+        PyObject *init = PySequence_Fast(initial, "crc32c_many: initial must be a sequence");
+        if (!init)
+            goto done;
+        if (PySequence_Fast_GET_SIZE(init) != n) {
+            PyErr_Format(PyExc_ValueError, "%s: %zd initial values for %zd values", func,
+                         PySequence_Fast_GET_SIZE(init), n);
+            Py_DECREF(init);
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (parse_crc_value(PySequence_Fast_GET_ITEM(init, i), &crcs[i], func) < 0) {
+                Py_DECREF(init);
+                goto done;
+            }
+        Py_DECREF(init);
+    }
+    if (views_init(&vs, pieces) < 0)
+        goto done;
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (inner[i]) {
+            if (get_views(&vs, inner[i], 0, func, "piece of a value") < 0)
+                goto done;
+        } else if (get_view(&vs, PySequence_Fast_GET_ITEM(fast, i), 0, func, "value", i) < 0) {
+            goto done;
+        }
+    }
+    for (Py_ssize_t p = 0; p < pieces; p++)
+        total += (size_t)vs.v[p].len;
+
+    PyThreadState *ts = NULL;
+    if (total >= GIL_RELEASE_MIN)
+        RELEASE_GIL(ts);
+    for (Py_ssize_t i = 0; i < n; i++)
+        for (Py_ssize_t p = first[i]; p < first[i + 1]; p++)
+            crcs[i] = kvf_crc32c(crcs[i], vs.v[p].buf, (size_t)vs.v[p].len);
+    if (ts)
+        TAKE_GIL(ts);
+    result = crc_list(crcs, n);
+done:
+    views_release(&vs);
+    if (inner)
+        for (Py_ssize_t i = 0; i < n; i++)
+            Py_XDECREF(inner[i]);
+    PyMem_Free(inner);
+    PyMem_Free(first);
+    PyMem_Free(crcs);
+    Py_DECREF(fast);
+    return result;
+}
+
+/* -- copies --------------------------------------------------------------------------------- */
+
+static void copy_crc(char *dest, const char *src, size_t n, uint32_t *crc) {
+    for (size_t at = 0; at < n; at += COPY_CHUNK) {
+        size_t c = n - at < COPY_CHUNK ? n - at : COPY_CHUNK;
+        memmove(dest + at, src + at, c);
+        /* The CRC of what landed, read back from the destination (still in cache): a
+           source changing under the copy is caught by its reader, not hidden. */
+        *crc = kvf_crc32c(*crc, dest + at, c);
+    }
+}
+
+static PyObject *py_copy_many(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"pairs", "crc_spans", NULL};
+    PyObject *pairs, *spans = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:copy_many", kwlist, &pairs, &spans))
+        return NULL;
+    const char *func = "copy_many";
+    PyObject *fast = PySequence_Fast(pairs, "copy_many: pairs must be a sequence of (dest, src)");
+    if (!fast)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Views vs = {NULL, 0, 0};
+    int32_t *span_of = PyMem_Calloc(n ? (size_t)n : 1, sizeof(int32_t));
+    uint32_t *crcs = NULL;
+    PyObject *result = NULL;
+    if (!span_of) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t nspans = parse_spans(spans, n, span_of, func);
+    if (nspans < 0)
+        goto done;
+    crcs = PyMem_Calloc(nspans ? (size_t)nspans : 1, sizeof(uint32_t));
+    if (!crcs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (views_init(&vs, 2 * n) < 0)
+        goto done;
+    size_t total = 0;
+    /* Every pair is checked before any byte moves: a refused batch writes nothing. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *dest, *src;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "OO;a pair is (dest, src)",
+                              &dest, &src)) {
+            name_error(func, "pair", i);
+            goto done;
+        }
+        if (get_view(&vs, dest, 1, func, "destination of pair", i) < 0 ||
+            get_view(&vs, src, 0, func, "source of pair", i) < 0)
+            goto done;
+        Py_ssize_t have = vs.v[2 * i].len, need = vs.v[2 * i + 1].len;
+        if (have < need) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: pair %zd: destination holds %zd bytes, source has %zd", func, i,
+                         have, need);
+            goto done;
+        }
+        total += (size_t)need;
+    }
+
+    PyThreadState *ts = NULL;
+    if (total >= GIL_RELEASE_MIN)
+        RELEASE_GIL(ts);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char *dest = vs.v[2 * i].buf;
+        const char *src = vs.v[2 * i + 1].buf;
+        size_t len = (size_t)vs.v[2 * i + 1].len;
+        if (span_of[i] >= 0)
+            copy_crc(dest, src, len, &crcs[span_of[i]]);
+        else if (len)
+            memmove(dest, src, len);
+    }
+    if (ts)
+        TAKE_GIL(ts);
+    result = crc_list(crcs, nspans);
+done:
+    views_release(&vs);
+    PyMem_Free(span_of);
+    PyMem_Free(crcs);
+    Py_DECREF(fast);
+    return result;
+}
+
+/* -- sockets -------------------------------------------------------------------------------- */
+
+/* A deadline argument: None, or a time.monotonic() value. */
+static int parse_deadline(PyObject *obj, int64_t *out) {
+    if (obj == Py_None) {
+        *out = -1;
+        return 0;
+    }
+    double d = PyFloat_AsDouble(obj);
+    if (d == -1.0 && PyErr_Occurred())
+        return -1;
+    if (d != d) {
+        PyErr_SetString(PyExc_ValueError, "deadline is NaN");
+        return -1;
+    }
+    /* A deadline at or before the clock's origin has passed already: never negative, which
+       would mean "none". */
+    if (d <= 0)
+        *out = 0;
+    else if (d >= 9.2e9)
+        *out = INT64_MAX;
+    else
+        *out = (int64_t)(d * 1e9);
+    return 0;
+}
+
+/* The iovecs of a run of views. */
+static struct iovec *iovecs_of(const Py_buffer *v, Py_ssize_t n) {
+    struct iovec *iov = PyMem_Calloc(n ? (size_t)n : 1, sizeof(struct iovec));
+    if (!iov) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        iov[i].iov_base = v[i].buf;
+        iov[i].iov_len = (size_t)v[i].len;
+    }
+    return iov;
+}
+
+/* Run a stream to its end with the GIL released; the GIL is taken back only to run signal
+   handlers. Returns the stream status, or -1 with an exception set (a handler raised).
+   Called without the GIL; `*ts` is the saved thread state. */
+static int run_released(kvf_stream *s, PyThreadState **ts) {
+    for (;;) {
+        int rc = kvf_stream_run(s);
+        if (rc != KVF_INTERRUPTED)
+            return rc;
+        TAKE_GIL(*ts);
+        int bad = PyErr_CheckSignals();
+        RELEASE_GIL(*ts);
+        if (bad < 0)
+            return -1;
+    }
+}
+
+static PyObject *peer_closed(const char *func, uint64_t received) {
+    PyObject *msg = PyUnicode_FromFormat(
+        "%s: the peer closed the connection after %llu bytes were received", func,
+        (unsigned long long)received);
+    if (!msg)
+        return NULL;
+    PyObject *exc = PyObject_CallOneArg(PeerClosed, msg);
+    Py_DECREF(msg);
+    if (!exc)
+        return NULL;
+    PyObject *n = PyLong_FromUnsignedLongLong(received);
+    if (!n || PyObject_SetAttrString(exc, "received", n) < 0) {
+        Py_XDECREF(n);
+        Py_DECREF(exc);
+        return NULL;
+    }
+    Py_DECREF(n);
+    PyErr_SetObject(PeerClosed, exc);
+    Py_DECREF(exc);
+    return NULL;
+}
+
+/* Raise the exception for a stream that stopped with `rc`; returns NULL. */
+static PyObject *stream_error(const char *func, int rc, const kvf_stream *s, uint64_t sent,
+                              uint64_t received) {
+    switch (rc) {
+    case KVF_CLOSED:
+        return peer_closed(func, received);
+    case KVF_TIMEOUT:
+        return PyErr_Format(PyExc_TimeoutError,
+                            "%s: the deadline passed while %s, after %llu bytes sent and %llu "
+                            "received",
+                            func, s->sending ? "sending" : "receiving", (unsigned long long)sent,
+                            (unsigned long long)received);
+    case KVF_ERRNO: {
+        /* OSError(errno, text) makes the fitting subclass (ConnectionResetError, ...). */
+        PyObject *exc = PyObject_CallFunction(
+            PyExc_OSError, "iN", s->err,
+            PyUnicode_FromFormat("%s (%s: while %s, after %llu bytes sent and %llu received)",
+                                 strerror(s->err), func, s->sending ? "sending" : "receiving",
+                                 (unsigned long long)sent, (unsigned long long)received));
+        if (exc) {
+            PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+            Py_DECREF(exc);
+        }
+        return NULL;
+    }
+    default: /* -1: a signal handler raised; its exception is set */
+        return NULL;
+    }
+}
+
+static void stream_init(kvf_stream *s, int fd, int sending, struct iovec *bufs, size_t count,
+                        int64_t deadline_ns, struct iovec *scratch) {
+    memset(s, 0, sizeof *s);
+    s->fd = fd;
+    s->sending = sending;
+    s->bufs = bufs;
+    s->count = count;
+    s->deadline_ns = deadline_ns;
+    s->iov = scratch;
+    s->iov_max = iov_max;
+}
+
+static PyObject *py_send_all(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"fd", "buffers", "deadline", NULL};
+    PyObject *fd_obj, *buffers, *deadline_obj;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO:send_all", kwlist, &fd_obj, &buffers,
+                                     &deadline_obj))
+        return NULL;
+    int64_t deadline;
+    int fd = PyObject_AsFileDescriptor(fd_obj);
+    if (fd < 0 || parse_deadline(deadline_obj, &deadline) < 0)
+        return NULL;
+    PyObject *fast = PySequence_Fast(buffers, "send_all: buffers must be a sequence");
+    if (!fast)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Views vs = {NULL, 0, 0};
+    struct iovec *bufs = NULL, *scratch = NULL;
+    PyObject *result = NULL;
+    if (views_init(&vs, n) < 0 || get_views(&vs, fast, 0, "send_all", "buffer") < 0)
+        goto done;
+    bufs = iovecs_of(vs.v, n);
+    scratch = PyMem_Calloc(iov_max, sizeof(struct iovec));
+    if (!bufs || !scratch) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    kvf_stream s;
+    stream_init(&s, fd, 1, bufs, (size_t)n, deadline, scratch);
+    PyThreadState *ts;
+    RELEASE_GIL(ts);
+    int rc = run_released(&s, &ts);
+    TAKE_GIL(ts);
+    result = rc == KVF_DONE ? PyLong_FromUnsignedLongLong(s.moved)
+                            : stream_error("send_all", rc, &s, s.moved, 0);
+done:
+    views_release(&vs);
+    PyMem_Free(bufs);
+    PyMem_Free(scratch);
+    Py_DECREF(fast);
+    return result;
+}
+
+static PyObject *py_recv_into_all(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"fd", "buffers", "deadline", "crc_spans", NULL};
+    PyObject *fd_obj, *buffers, *deadline_obj, *spans = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|O:recv_into_all", kwlist, &fd_obj,
+                                     &buffers, &deadline_obj, &spans))
+        return NULL;
+    const char *func = "recv_into_all";
+    int64_t deadline;
+    int fd = PyObject_AsFileDescriptor(fd_obj);
+    if (fd < 0 || parse_deadline(deadline_obj, &deadline) < 0)
+        return NULL;
+    PyObject *fast = PySequence_Fast(buffers, "recv_into_all: buffers must be a sequence");
+    if (!fast)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Views vs = {NULL, 0, 0};
+    struct iovec *bufs = NULL, *scratch = NULL;
+    int32_t *span_of = PyMem_Calloc(n ? (size_t)n : 1, sizeof(int32_t));
+    uint32_t *crcs = NULL;
+    PyObject *result = NULL;
+    if (!span_of) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t nspans = parse_spans(spans, n, span_of, func);
+    if (nspans < 0)
+        goto done;
+    crcs = PyMem_Calloc(nspans ? (size_t)nspans : 1, sizeof(uint32_t));
+    if (!crcs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (views_init(&vs, n) < 0 || get_views(&vs, fast, 1, func, "buffer") < 0)
+        goto done;
+    bufs = iovecs_of(vs.v, n);
+    scratch = PyMem_Calloc(iov_max, sizeof(struct iovec));
+    if (!bufs || !scratch) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    kvf_stream s;
+    stream_init(&s, fd, 0, bufs, (size_t)n, deadline, scratch);
+    if (nspans) {
+        s.span_of = span_of;
+        s.crcs = crcs;
+        s.window = RECV_CRC_WINDOW;
+    }
+    PyThreadState *ts;
+    RELEASE_GIL(ts);
+    int rc = run_released(&s, &ts);
+    TAKE_GIL(ts);
+    result = rc == KVF_DONE ? crc_list(crcs, nspans) : stream_error(func, rc, &s, 0, s.moved);
+done:
+    views_release(&vs);
+    PyMem_Free(bufs);
+    PyMem_Free(scratch);
+    PyMem_Free(span_of);
+    PyMem_Free(crcs);
+    Py_DECREF(fast);
+    return result;
+}
+
+static PyObject *py_exchange(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"fd",           "send",      "reply", "payloads", "deadline",
+                             "status_offset", "crc_spans", NULL};
+    PyObject *fd_obj, *send, *reply, *payloads, *deadline_obj, *spans = Py_None;
+    Py_ssize_t status_offset = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO|nO:exchange", kwlist, &fd_obj, &send,
+                                     &reply, &payloads, &deadline_obj, &status_offset, &spans))
+        return NULL;
+    const char *func = "exchange";
+    int64_t deadline;
+    int fd = PyObject_AsFileDescriptor(fd_obj);
+    if (fd < 0 || parse_deadline(deadline_obj, &deadline) < 0)
+        return NULL;
+    PyObject *send_fast = PySequence_Fast(send, "exchange: send must be a sequence");
+    if (!send_fast)
+        return NULL;
+    PyObject *pay_fast = PySequence_Fast(payloads, "exchange: payloads must be a sequence");
+    if (!pay_fast) {
+        Py_DECREF(send_fast);
+        return NULL;
+    }
+    Py_ssize_t nsend = PySequence_Fast_GET_SIZE(send_fast);
+    Py_ssize_t npay = PySequence_Fast_GET_SIZE(pay_fast);
+    Views vs = {NULL, 0, 0};
+    struct iovec *bufs = NULL, *scratch = NULL;
+    int32_t *span_of = PyMem_Calloc((size_t)npay + 1, sizeof(int32_t));
+    int32_t *gated_span_of = PyMem_Calloc((size_t)npay + 1, sizeof(int32_t));
+    uint32_t *crcs = NULL;
+    PyObject *result = NULL;
+    if (!span_of || !gated_span_of) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t nspans = parse_spans(spans, npay, span_of, func);
+    if (nspans < 0)
+        goto done;
+    crcs = PyMem_Calloc(nspans ? (size_t)nspans : 1, sizeof(uint32_t));
+    if (!crcs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* Views: the send buffers, then the reply, then the payloads. */
+    if (views_init(&vs, nsend + 1 + npay) < 0 ||
+        get_views(&vs, send_fast, 0, func, "send buffer") < 0 ||
+        get_view(&vs, reply, 1, func, "reply", 0) < 0 ||
+        get_views(&vs, pay_fast, 1, func, "payload") < 0)
+        goto done;
+    const Py_buffer *reply_view = &vs.v[nsend];
+    if (status_offset < 0 || status_offset > reply_view->len ||
+        npay > reply_view->len - status_offset) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: a reply of %zd bytes has no status byte for each of %zd payloads "
+                     "at offset %zd",
+                     func, reply_view->len, npay, status_offset);
+        goto done;
+    }
+    bufs = iovecs_of(vs.v, nsend + 1 + npay);
+    scratch = PyMem_Calloc(iov_max, sizeof(struct iovec));
+    if (!bufs || !scratch) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    struct iovec *send_iov = bufs, *reply_iov = bufs + nsend, *pay_iov = bufs + nsend + 1;
+    const unsigned char *status = (const unsigned char *)reply_view->buf + status_offset;
+    uint64_t sent = 0, received = 0;
+    kvf_stream s;
+    PyThreadState *ts;
+    RELEASE_GIL(ts);
+    stream_init(&s, fd, 1, send_iov, (size_t)nsend, deadline, scratch);
+    int rc = run_released(&s, &ts);
+    sent = s.moved;
+    if (rc == KVF_DONE) {
+        stream_init(&s, fd, 0, reply_iov, 1, deadline, scratch);
+        rc = run_released(&s, &ts);
+        received = s.moved;
+    }
+    if (rc == KVF_DONE) {
+        /* Only the payloads the reply accepts follow it: pack them in place, in order. */
+        size_t k = 0;
+        for (Py_ssize_t i = 0; i < npay; i++) {
+            if (status[i] != 0)
+                continue;
+            pay_iov[k] = pay_iov[i];
+            gated_span_of[k] = span_of[i];
+            k++;
+        }
+        stream_init(&s, fd, 0, pay_iov, k, deadline, scratch);
+        if (nspans) {
+            s.span_of = gated_span_of;
+            s.crcs = crcs;
+            s.window = RECV_CRC_WINDOW;
+        }
+        rc = run_released(&s, &ts);
+        received += s.moved;
+    }
+    TAKE_GIL(ts);
+    result = rc == KVF_DONE ? crc_list(crcs, nspans) : stream_error(func, rc, &s, sent, received);
+done:
+    views_release(&vs);
+    PyMem_Free(bufs);
+    PyMem_Free(scratch);
+    PyMem_Free(span_of);
+    PyMem_Free(gated_span_of);
+    PyMem_Free(crcs);
+    Py_DECREF(send_fast);
+    Py_DECREF(pay_fast);
+    return result;
+}
+
+static PyObject *py_gil_reacquisitions(PyObject *self, PyObject *unused) {
+    return PyLong_FromUnsignedLongLong(reacquired);
+}
+
+/* -- module --------------------------------------------------------------------------------- */
+
+static PyMethodDef methods[] = {
+    {"crc32c", py_crc32c, METH_VARARGS,
+     "crc32c(data, value=0, /) -> int: CRC32C of one buffer, continuing from value."},
+    {"crc32c_many", (PyCFunction)(void (*)(void))py_crc32c_many, METH_VARARGS | METH_KEYWORDS,
+     "crc32c_many(values, initial=None) -> list[int]: one CRC32C per value (a buffer or a "
+     "sequence of pieces)."},
+    {"copy_many", (PyCFunction)(void (*)(void))py_copy_many, METH_VARARGS | METH_KEYWORDS,
+     "copy_many(pairs, crc_spans=None) -> list[int]: copy each (dest, src); CRC32C per span."},
+    {"send_all", (PyCFunction)(void (*)(void))py_send_all, METH_VARARGS | METH_KEYWORDS,
+     "send_all(fd, buffers, deadline) -> int: send every buffer in order."},
+    {"recv_into_all", (PyCFunction)(void (*)(void))py_recv_into_all,
+     METH_VARARGS | METH_KEYWORDS,
+     "recv_into_all(fd, buffers, deadline, crc_spans=None) -> list[int]: fill every buffer."},
+    {"exchange", (PyCFunction)(void (*)(void))py_exchange, METH_VARARGS | METH_KEYWORDS,
+     "exchange(fd, send, reply, payloads, deadline, status_offset=0, crc_spans=None) -> "
+     "list[int]: send, receive the reply, then the payloads it accepts."},
+    {"gil_reacquisitions", py_gil_reacquisitions, METH_NOARGS,
+     "gil_reacquisitions() -> int: times this module took the GIL back, in this thread."},
+    {"_crc32c_table", py_crc32c_table, METH_VARARGS,
+     "_crc32c_table(data, value=0, /) -> int: crc32c through the portable table (tests)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvfabric.spi._native",
+    .m_doc = "Batch operations that take the GIL back once per batch (see kvfabric.spi.native).",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    kvf_crc32c_init();
+    iov_max = kvf_iov_max();
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    PeerClosed = PyErr_NewExceptionWithDoc(
+        "kvfabric.spi._native.PeerClosed",
+        "The peer closed the connection before every byte arrived; `received` says how many "
+        "did (in this call).",
+        PyExc_ConnectionError, NULL);
+    if (!PeerClosed || PyModule_AddObjectRef(m, "PeerClosed", PeerClosed) < 0 ||
+        PyModule_AddIntConstant(m, "GIL_RELEASE_MIN", GIL_RELEASE_MIN) < 0 ||
+        PyModule_AddIntConstant(m, "IOV_MAX", (long)iov_max) < 0 ||
+        PyModule_AddObjectRef(m, "HARDWARE_CRC32C", kvf_crc32c_hardware() ? Py_True : Py_False) <
+            0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,169 @@
+"""The data path's native loops: whole batches of CRC32C, copies and socket I/O per GIL release.
+
+Releasing the GIL while bytes move is not enough: every time a thread takes the GIL back
+while another Python thread is busy, it waits out the interpreter's switch interval (5 ms
+by default). A read that took it back per segment, per receive and per CRC piece ran 7-12x
+slower beside one busy thread (issue 12). Each function here takes all of its Python
+objects while holding the GIL, checks every one of them (a refused batch moves nothing),
+releases the GIL once for the whole batch and takes it back once at the end. The only
+other returns are to run signal handlers when a signal interrupts a socket wait, so Ctrl-C
+still works; :func:`gil_reacquisitions` counts every return, for tests.
+
+Batches of CRC32C and copies smaller than :data:`GIL_RELEASE_MIN` bytes keep the GIL: that
+work (tens of microseconds) costs a busy neighbour less than the switch interval the call
+would wait out to get it back. Socket loops always release it, since they may wait.
+
+The loops are C (``framework/spi/csrc``: plain C API with ``Py_buffer``, which pins and
+exposes any buffer — bytes, bytearray, mmap, numpy, memoryview — and needs no run-time
+dependency, unlike cffi) built by setuptools at install. There is no pure-Python fallback:
+an install from source needs a C compiler and Python's headers, and without the built module
+this import fails loudly. CRC32C uses the CPU's CRC32 instruction (SSE4.2, three streams
+interleaved, chosen at run time; :data:`HARDWARE_CRC32C`) or a portable table, with the
+same results as the ``crc32c`` package.
+
+Buffers must be C-contiguous (``BufferError`` otherwise); destinations must be writable
+(``BufferError``). Each function names the argument and index of a bad item in its error.
+Nothing else may resize or free a buffer for the length of a call, and the caller keeps a
+socket open for the length of a call on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+try:
+    from kvfabric.spi import _native
+except ImportError as exc:  # pragma: no cover - a broken install
+    raise ImportError(
+        "kvfabric's native module (kvfabric.spi._native) is not built: reinstall kvfabric "
+        "from source with a C compiler and Python's headers present (pip install .)"
+    ) from exc
+
+if TYPE_CHECKING:
+    from _typeshed import FileDescriptorLike, ReadableBuffer, WriteableBuffer
+
+__all__ = [
+    "GIL_RELEASE_MIN",
+    "HARDWARE_CRC32C",
+    "IOV_MAX",
+    "PeerClosed",
+    "copy_many",
+    "crc32c",
+    "crc32c_many",
+    "exchange",
+    "gil_reacquisitions",
+    "recv_into_all",
+    "send_all",
+]
+
+GIL_RELEASE_MIN: int = _native.GIL_RELEASE_MIN
+"""CRC32C and copy batches of at least this many bytes release the GIL (256 KiB)."""
+IOV_MAX: int = _native.IOV_MAX
+"""Buffers per ``sendmsg``/``recvmsg`` call (the system's IOV_MAX)."""
+HARDWARE_CRC32C: bool = _native.HARDWARE_CRC32C
+"""Whether CRC32C runs on the CPU's CRC32 instruction (else a portable table)."""
+
+PeerClosed = _native.PeerClosed
+"""A ``ConnectionError``: the peer closed the stream before every byte arrived.
+
+Its ``received`` attribute is how many bytes this call received before the end.
+"""
+
+# A span is a (start, stop) range of buffer indices whose bytes make one CRC32C.
+Spans = Sequence[tuple[int, int]]
+
+
+def crc32c(data: ReadableBuffer, value: int = 0) -> int:
+    """CRC32C of one buffer, continuing from ``value`` (``crc32c(b, crc32c(a))`` is a + b)."""
+    return _native.crc32c(data, value)
+
+
+def crc32c_many(
+    values: Sequence[ReadableBuffer | Sequence[ReadableBuffer]],
+    initial: Sequence[int] | None = None,
+) -> list[int]:
+    """One CRC32C per value: a buffer, or a sequence of pieces taken in order.
+
+    ``initial``: per value, a CRC to continue from (default 0). Equal to
+    ``kvfabric.spi.checksum_pieces`` of each value, bit for bit.
+    """
+    return _native.crc32c_many(values, initial)
+
+
+def copy_many(
+    pairs: Sequence[tuple[WriteableBuffer, ReadableBuffer]], crc_spans: Spans | None = None
+) -> list[int]:
+    """Copy each ``(dest, src)``: all of ``src`` into the start of ``dest``.
+
+    Every ``dest`` is checked to be writable and to hold its ``src`` before any byte moves
+    (``BufferError`` / ``ValueError`` otherwise). ``crc_spans``: ``(start, stop)`` ranges
+    of pair indices, in order and not overlapping; returns the CRC32C of what landed in the
+    destinations of each span, computed in the same pass as the copy (in cache-sized chunks,
+    read back from the destination), or ``[]`` without spans.
+    """
+    return _native.copy_many(pairs, crc_spans)
+
+
+def send_all(
+    fd: FileDescriptorLike, buffers: Sequence[ReadableBuffer], deadline: float | None
+) -> int:
+    """Send every buffer in order on a connected stream socket; returns the bytes sent.
+
+    Gathers up to :data:`IOV_MAX` buffers per ``sendmsg`` and resumes partial sends. Works on
+    blocking and non-blocking sockets alike (each call is non-blocking; ``poll`` waits).
+    ``deadline`` (``time.monotonic()``, None for none) bounds the waits: ``TimeoutError``
+    when the socket is not ready in time. A reset or closed peer raises the fitting
+    ``ConnectionError`` (``BrokenPipeError``, ``ConnectionResetError``); any other failure
+    an ``OSError`` with its errno. Messages say how many bytes went before the failure.
+    """
+    return _native.send_all(fd, buffers, deadline)
+
+
+def recv_into_all(
+    fd: FileDescriptorLike,
+    buffers: Sequence[WriteableBuffer],
+    deadline: float | None,
+    crc_spans: Spans | None = None,
+) -> list[int]:
+    """Fill every buffer, in order, from a connected stream socket.
+
+    Scatters into up to :data:`IOV_MAX` buffers per ``recvmsg``. ``crc_spans`` as in
+    :func:`copy_many`: the CRC32C of each span is taken as its bytes arrive (the receive
+    then goes in windows of 256 KiB, so they are still in cache); returns those CRCs, or
+    ``[]``. The end of the stream before the last byte raises :class:`PeerClosed`; the
+    deadline and other failures as in :func:`send_all`.
+    """
+    return _native.recv_into_all(fd, buffers, deadline, crc_spans)
+
+
+def exchange(
+    fd: FileDescriptorLike,
+    send: Sequence[ReadableBuffer],
+    reply: WriteableBuffer,
+    payloads: Sequence[WriteableBuffer],
+    deadline: float | None,
+    *,
+    status_offset: int = 0,
+    crc_spans: Spans | None = None,
+) -> list[int]:
+    """One request and its reply in one GIL release: send, fill ``reply``, then the payloads.
+
+    Sends ``send`` (as :func:`send_all`), fills ``reply`` exactly, then fills each payload
+    ``i`` whose status byte ``reply[status_offset + i]`` is 0; the others are skipped (the
+    peer sends nothing for them). ``crc_spans`` range over ``payloads`` as in
+    :func:`recv_into_all`; a skipped payload adds nothing to its span. Returns the CRCs, or
+    ``[]``. Errors as in :func:`recv_into_all`; a peer that answers with less than a whole
+    ``reply`` and closes raises :class:`PeerClosed` with ``received`` bytes of ``reply``
+    filled, so the caller can read an error reply shorter than a full one.
+    """
+    return _native.exchange(fd, send, reply, payloads, deadline, status_offset, crc_spans)
+
+
+def gil_reacquisitions() -> int:
+    """How many times this module's calls took the GIL back, in the calling thread.
+
+    One per call that released it (a batch of at least :data:`GIL_RELEASE_MIN` bytes, or
+    any socket call), plus one per signal that interrupted a socket wait.
+    """
+    return _native.gil_reacquisitions()

@@ -8,26 +8,25 @@ directly; the node's CPU does nothing per read or write. Copies of 64 KiB and mo
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
-import threading
-from collections.abc import Sequence
 
 from kvfabric.errors import NotSupportedError, TransportError
 from kvfabric.spi import (
+    Batch,
     Capabilities,
     MemoryKind,
     NodeEndpoint,
+    PeerClient,
     Region,
     RegionHandle,
     Registry,
-    Segment,
     Transport,
     TransportClient,
     TransportConfig,
     TransportServer,
-    check_segment_bounds,
     copy_into,
     hookimpl,
 )
@@ -70,19 +69,33 @@ class _ShmServer(TransportServer):
 
 
 class _Mapped:
-    __slots__ = ("handle", "mapping", "view")
+    """One region, mapped, and a view of it (slicing a cached view is cheaper per segment)."""
 
-    def __init__(self, handle: RegionHandle, mapping: mmap.mmap, view: memoryview) -> None:
-        self.handle = handle
+    __slots__ = ("mapping", "view")
+
+    def __init__(self, mapping: mmap.mmap) -> None:
         self.mapping = mapping
-        self.view = view
+        self.view = memoryview(mapping)
+
+    def close(self) -> None:
+        # A copy in flight on another thread still holds a slice: the GC unmaps it later.
+        with contextlib.suppress(BufferError):
+            self.view.release()
+            self.mapping.close()
 
 
-class _ShmClient(TransportClient):
-    def __init__(self) -> None:
+# The client's state per node: its regions, mapped, by region id.
+_Mappings = dict[int, _Mapped]
+
+
+class _ShmClient(PeerClient[_Mappings]):
+    # OSError: opening or mapping a region. ValueError: a copy from a view that a concurrent
+    # disconnect released; either way this node cannot be used now.
+    native_errors = {OSError: TransportError, ValueError: TransportError}
+
+    def __init__(self, config: TransportConfig) -> None:
+        super().__init__(config)
         self._host = host_identity()
-        self._nodes: dict[int, dict[int, _Mapped]] = {}
-        self._lock = threading.Lock()
 
     def reachable(self, endpoint: NodeEndpoint) -> bool:
         if endpoint.address != self._host:
@@ -94,67 +107,31 @@ class _ShmClient(TransportClient):
             return False
         return True
 
-    def connect(self, endpoint: NodeEndpoint) -> None:
+    def open_peer(self, endpoint: NodeEndpoint) -> _Mappings:
         if endpoint.address != self._host:
             raise TransportError(f"node {endpoint.node} is on another host; shm is local only")
-        mapped: dict[int, _Mapped] = {}
+        mapped: _Mappings = {}
         try:
             for handle in endpoint.regions:
                 mapped[handle.region] = _map(handle)
-        except OSError as exc:
-            for m in mapped.values():
-                _unmap(m)
-            raise TransportError(f"cannot map node {endpoint.node}'s memory: {exc}") from exc
-        with self._lock:
-            old = self._nodes.pop(endpoint.node, None)
-            self._nodes[endpoint.node] = mapped
-        for m in (old or {}).values():
-            _unmap(m)
+        except BaseException:
+            self.close_peer(mapped)
+            raise
+        return mapped
 
-    def _regions(self, node: int) -> dict[int, _Mapped]:
-        with self._lock:
-            regions = self._nodes.get(node)
-        if regions is None:
-            raise TransportError(f"not connected to node {node}")
-        return regions
+    def close_peer(self, peer: _Mappings) -> None:
+        for mapped in peer.values():
+            mapped.close()
 
-    def read(self, node: int, segments: Sequence[Segment]) -> list[TransportError | None]:
-        return self._copy(node, segments, into_region=False)
+    def read_segments(self, peer: _Mappings, batch: Batch) -> None:
+        for seg in batch.segments:
+            region = peer[seg.region].view
+            copy_into(seg.buffer, region[seg.offset : seg.offset + seg.buffer.nbytes])
 
-    def write(self, node: int, segments: Sequence[Segment]) -> list[TransportError | None]:
-        return self._copy(node, segments, into_region=True)
-
-    def _copy(
-        self, node: int, segments: Sequence[Segment], *, into_region: bool
-    ) -> list[TransportError | None]:
-        regions = self._regions(node)
-        errors: list[TransportError | None] = []
-        for seg in segments:
-            mapped = regions.get(seg.region)
-            if mapped is None:
-                errors.append(TransportError(f"node {node} has no region {seg.region}"))
-                continue
-            error = check_segment_bounds(seg, mapped.handle)
-            if error is None:
-                remote = mapped.view[seg.offset : seg.offset + seg.buffer.nbytes]
-                if into_region:
-                    copy_into(remote, seg.buffer)
-                else:
-                    copy_into(seg.buffer, remote)
-            errors.append(error)
-        return errors
-
-    def disconnect(self, node: int) -> None:
-        with self._lock:
-            regions = self._nodes.pop(node, {})
-        for m in regions.values():
-            _unmap(m)
-
-    def close(self) -> None:
-        with self._lock:
-            nodes = list(self._nodes)
-        for node in nodes:
-            self.disconnect(node)
+    def write_segments(self, peer: _Mappings, batch: Batch) -> None:
+        for seg in batch.segments:
+            region = peer[seg.region].view
+            copy_into(region[seg.offset : seg.offset + seg.buffer.nbytes], seg.buffer)
 
 
 def _open_checked(handle: RegionHandle) -> _FileRef:
@@ -182,19 +159,9 @@ class _FileRef:
 def _map(handle: RegionHandle) -> _Mapped:
     ref = _open_checked(handle)
     try:
-        mapping = mmap.mmap(ref.fd, handle.size, mmap.MAP_SHARED, offset=ref.offset)
+        return _Mapped(mmap.mmap(ref.fd, handle.size, mmap.MAP_SHARED, offset=ref.offset))
     finally:
         ref.close()
-    return _Mapped(handle, mapping, memoryview(mapping))
-
-
-def _unmap(mapped: _Mapped) -> None:
-    # A read in flight on another thread still holds a slice: the GC unmaps it later.
-    try:
-        mapped.view.release()
-        mapped.mapping.close()
-    except BufferError:
-        pass
 
 
 class ShmTransport(Transport):
@@ -213,7 +180,7 @@ class ShmTransport(Transport):
 
     @classmethod
     def create_client(cls, config: TransportConfig) -> TransportClient:
-        return _ShmClient()
+        return _ShmClient(config)
 
 
 @hookimpl

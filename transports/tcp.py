@@ -2,13 +2,15 @@
 
 The fallback for nodes no RDMA fabric reaches. A thread per connection on the data node
 serves each batch against (region, rkey, offset, length) with no knowledge of the index:
-every segment is rkey- and bounds-checked, and a refused segment moves no bytes. Bytes go
+every segment is checked again there (``kvfabric.spi.RegionTable``, the rules the client
+already applied: a client is not trusted), and a refused segment moves no bytes. Bytes go
 straight between the socket and region memory on the node (``sendmsg`` gathers region
 slices, ``recvmsg_into`` scatters into them) and between the socket and the caller's
 buffers on the client (the same two calls): no copies beyond the kernel's own, and up to
 1024 segments per system call, so 64-byte record headers cost no syscall of their own.
 
-The client keeps a few idle connections per node (``options["pool"]``, default 8), so
+The client (a ``kvfabric.spi.PeerClient``: peer table, segment checks and error mapping
+are inherited) keeps a few idle connections per node (``tcp.pool``, default 8), so
 concurrent calls do not serialize; a batch of more than 65536 segments goes as several
 frames on one connection. Every call is bounded by ``config.timeout`` as a whole; a
 connection that failed or timed out is closed, never reused. A pooled connection the node
@@ -24,7 +26,8 @@ one request and its reply at a time::
              HELLO: header, then count bytes of token
     entry    region u32 | rkey u64 | offset u64 | length u64
     reply    header (the request's op and id, code 0), then for READ/WRITE count x status u8
-             (0 accepted, 1 unknown region, 2 bad rkey, 3 out of bounds), then for READ the
+             (``kvfabric.spi.SegmentStatus``: 0 accepted, 1 unknown region, 2 bad rkey,
+             3 out of bounds), then for READ the
              bytes of every accepted segment in entry order
 
 A request's ``code`` is 0. A frame the server will not serve (bad magic, version, op or
@@ -49,23 +52,27 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from kvfabric.errors import ProtocolError, TransportError, TransportTimeoutError
+from kvfabric.errors import ProtocolError, TransportError
 from kvfabric.spi import (
+    SOCKET_ERRORS,
+    Batch,
     Capabilities,
     Counters,
     MemoryKind,
     NodeEndpoint,
     OptionSpec,
+    PeerClient,
     Region,
     RegionHandle,
+    RegionTable,
     Registry,
     Segment,
+    SegmentStatus,
     Transport,
     TransportClient,
     TransportConfig,
     TransportServer,
     byte_view,
-    check_segment_bounds,
     hookimpl,
     parse_duration,
 )
@@ -105,14 +112,10 @@ class _Code(enum.IntEnum):
     AUTH_FAILED = 4
 
 
-# Per segment, in a reply's status table. Plain ints, not an enum: they are compared once
-# per segment on both sides, and enum member lookups cost more than the compare.
-_OK, _UNKNOWN_REGION, _BAD_RKEY, _OUT_OF_BOUNDS = 0, 1, 2, 3
-_STATUS_TEXT = {
-    _UNKNOWN_REGION: "unknown region",
-    _BAD_RKEY: "bad rkey",
-    _OUT_OF_BOUNDS: "out of the region's bounds",
-}
+# Per segment, in a reply's status table: kvfabric.spi.SegmentStatus, the checks every
+# transport applies, sent as one byte.
+_OK = SegmentStatus.OK
+_STATUSES = frozenset(SegmentStatus)
 _CODE_TEXT = {
     _Code.BAD_FRAME: "malformed frame",
     _Code.TOO_LARGE: "batch too large",
@@ -120,7 +123,8 @@ _CODE_TEXT = {
     _Code.AUTH_FAILED: "wrong token",
 }
 _OPS = frozenset(op.value for op in _Op)
-_STATUSES = frozenset({_OK, *_STATUS_TEXT})
+# A request's table, unpacked: (region, rkey, offset, length) per segment.
+_Entries = list[tuple[int, int, int, int]]
 
 _SERVER_COUNTERS = (
     "connections",
@@ -137,7 +141,7 @@ _SERVER_COUNTERS = (
 )
 
 
-class _Truncated(Exception):
+class _Truncated(ConnectionError):
     """The peer closed the connection in the middle of a frame."""
 
 
@@ -239,7 +243,7 @@ class _TcpServer(TransportServer):
         options = TcpTransport.parse_options(config.options)
         self._max_connections = int(options["max_connections"])
         self._frame_timeout = float(options["frame_timeout"])
-        self._regions: dict[int, tuple[RegionHandle, memoryview]] = {}
+        self._regions = RegionTable()
         self._counters = Counters(_SERVER_COUNTERS)
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
@@ -275,8 +279,7 @@ class _TcpServer(TransportServer):
 
     def register(self, region: Region) -> RegionHandle:
         handle = RegionHandle(region=region.id, rkey=region.rkey, size=region.size)
-        with self._lock:
-            self._regions[region.id] = (handle, byte_view(region.view))
+        self._regions.add(handle, byte_view(region.view))
         return handle
 
     def stats(self) -> dict[str, int]:
@@ -298,8 +301,7 @@ class _TcpServer(TransportServer):
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         self._listener.close()
-        with self._lock:
-            self._regions.clear()
+        self._regions.clear()
 
     def _accept_loop(self) -> None:
         while True:
@@ -399,29 +401,8 @@ class _TcpServer(TransportServer):
         with contextlib.suppress(OSError):
             conn.sendall(_HEADER.pack(_MAGIC, _VERSION, op, code, 0, rid))
 
-    def _plan(self, entries: list[tuple[Any, ...]]) -> tuple[bytearray, list[memoryview | None]]:
-        """Each segment's status, and the region memory it may touch (None: refused)."""
-        statuses = bytearray(len(entries))
-        views: list[memoryview | None] = []
-        regions = self._regions
-        for i, (region, rkey, offset, length) in enumerate(entries):
-            entry = regions.get(region)
-            view: memoryview | None = None
-            if entry is None:
-                statuses[i] = _UNKNOWN_REGION
-            else:
-                handle, memory = entry
-                # Slicing clamps to the region: a view shorter than asked is out of bounds.
-                view = memory[offset : offset + length]
-                refused = check_segment_bounds(Segment(region, rkey, offset, view), handle)
-                if refused is not None or view.nbytes != length:
-                    statuses[i] = _BAD_RKEY if rkey != handle.rkey else _OUT_OF_BOUNDS
-                    view = None
-            views.append(view)
-        return statuses, views
-
-    def _serve_read(self, conn: socket.socket, rid: int, entries: list[tuple[Any, ...]]) -> None:
-        statuses, planned = self._plan(entries)
+    def _serve_read(self, conn: socket.socket, rid: int, entries: _Entries) -> None:
+        statuses, planned = self._regions.check_all(entries)
         views = [view for view in planned if view is not None]
         # Counted before replying, so a client holding its reply sees the request counted.
         self._counters.update(
@@ -434,9 +415,13 @@ class _TcpServer(TransportServer):
         _send_all(conn, [head + statuses, *views])
 
     def _serve_write(
-        self, conn: socket.socket, rid: int, entries: list[tuple[Any, ...]], scratch: memoryview
+        self,
+        conn: socket.socket,
+        rid: int,
+        entries: _Entries,
+        scratch: memoryview,
     ) -> None:
-        statuses, planned = self._plan(entries)
+        statuses, planned = self._regions.check_all(entries)
         lengths = [entry[3] for entry in entries]
         _recv_all(conn, _write_targets(planned, lengths, scratch))
         written = [view.nbytes for view in planned if view is not None]
@@ -560,11 +545,11 @@ class _Connection:
 
 
 class _Peer:
-    """A node's address and its idle connections."""
+    """A node's address and its idle connections (the client's state per node)."""
 
-    def __init__(self, raw: bytes, pool_size: int) -> None:
-        self.raw = raw
+    def __init__(self, raw: bytes, pool_size: int, token: bytes) -> None:
         self.address = _parse_address(raw)
+        self.token = token
         self._pool_size = pool_size
         self._idle: list[_Connection] = []
         self._lock = threading.Lock()
@@ -593,88 +578,57 @@ class _Peer:
         self.drop_idle()
 
 
-class _TcpClient(TransportClient):
+class _TcpClient(PeerClient[_Peer]):
+    # _Truncated is a ConnectionError; _Refused: the node answered with an error code.
+    native_errors = {**SOCKET_ERRORS, ProtocolError: TransportError, _Refused: TransportError}
+
     def __init__(self, config: TransportConfig) -> None:
-        self._timeout = config.timeout
-        self._token = config.token
+        super().__init__(config)
         self._pool_size = int(TcpTransport.parse_options(config.options)["pool"])
-        self._peers: dict[int, _Peer] = {}
-        self._lock = threading.Lock()
 
-    def connect(self, endpoint: NodeEndpoint) -> None:
-        with self._lock:
-            old = self._peers.get(endpoint.node)
-            if old is not None and old.raw == endpoint.address:
-                return
-            self._peers[endpoint.node] = _Peer(endpoint.address, self._pool_size)
-        if old is not None:
-            old.close()
+    def describe(self, endpoint: NodeEndpoint) -> str:
+        return f"tcp: node {endpoint.node} at {endpoint.address.decode(errors='replace')}"
 
-    def read(self, node: int, segments: Sequence[Segment]) -> list[TransportError | None]:
-        return self._call(node, _Op.READ, segments)
+    def open_peer(self, endpoint: NodeEndpoint) -> _Peer:
+        return _Peer(endpoint.address, self._pool_size, self.config.token)
 
-    def write(self, node: int, segments: Sequence[Segment]) -> list[TransportError | None]:
-        return self._call(node, _Op.WRITE, segments)
+    def close_peer(self, peer: _Peer) -> None:
+        peer.close()
 
-    def _call(self, node: int, op: _Op, segments: Sequence[Segment]) -> list[TransportError | None]:
-        deadline = time.monotonic() + self._timeout
-        with self._lock:
-            peer = self._peers.get(node)
-        if peer is None:
-            raise TransportError(f"not connected to node {node}")
-        if not segments:
-            return []
-        frames = [segments[i : i + _MAX_COUNT] for i in range(0, len(segments), _MAX_COUNT)]
+    def read_segments(self, peer: _Peer, batch: Batch) -> None:
+        _call(peer, _Op.READ, batch)
+
+    def write_segments(self, peer: _Peer, batch: Batch) -> None:
+        _call(peer, _Op.WRITE, batch)
+
+
+def _call(peer: _Peer, op: _Op, batch: Batch) -> None:
+    """Move a planned batch, in frames of at most ``_MAX_COUNT`` segments."""
+    segments = batch.segments
+    frames = [segments[i : i + _MAX_COUNT] for i in range(0, len(segments), _MAX_COUNT)]
+    tables = [_pack_table(frame) for frame in frames]
+    statuses = _exchange(peer, op, tables, frames, batch.deadline)
+    if statuses.count(_OK) != len(statuses):
+        for i, status in enumerate(statuses):
+            if status != _OK:
+                batch.refuse(i, SegmentStatus(status).describe())
+
+
+def _exchange(
+    peer: _Peer, op: _Op, tables: list[bytes], frames: list[list[Segment]], deadline: float
+) -> bytes:
+    """Send every frame and collect the status tables, on a pooled or fresh connection."""
+    conn = peer.take()
+    if conn is not None:
         try:
-            tables = [_pack_table(frame) for frame in frames]
-        except struct.error as exc:
-            raise TransportError(f"segment cannot be addressed over tcp: {exc}") from exc
-        try:
-            statuses = self._exchange(peer, op, tables, frames, deadline)
-        except BaseException as exc:
-            error = _boundary_error(node, peer, exc, self._timeout)
-            if error is exc:
-                raise
-            raise error from exc
-        return [
-            None
-            if status == _OK
-            else TransportError(f"node {node} refused {seg!r}: {_STATUS_TEXT[status]}")
-            for seg, status in zip(segments, statuses, strict=True)
-        ]
-
-    def _exchange(
-        self,
-        peer: _Peer,
-        op: _Op,
-        tables: list[bytes],
-        frames: list[Sequence[Segment]],
-        deadline: float,
-    ) -> bytes:
-        """Send every frame and collect the status tables, on a pooled or fresh connection."""
-        conn = peer.take()
-        if conn is not None:
-            try:
-                return _run(peer, conn, op, tables, frames, deadline)
-            except (ConnectionError, _Truncated):
-                # The node closed or reset a pooled connection (it restarted, or shut down):
-                # its idle siblings are as stale. Reads and writes are idempotent, so one
-                # retry on a fresh connection is safe.
-                peer.drop_idle()
-        conn = _Connection.open(peer.address, self._token, deadline)
-        return _run(peer, conn, op, tables, frames, deadline)
-
-    def disconnect(self, node: int) -> None:
-        with self._lock:
-            peer = self._peers.pop(node, None)
-        if peer is not None:
-            peer.close()
-
-    def close(self) -> None:
-        with self._lock:
-            peers, self._peers = list(self._peers.values()), {}
-        for peer in peers:
-            peer.close()
+            return _run(peer, conn, op, tables, frames, deadline)
+        except ConnectionError:
+            # The node closed or reset a pooled connection (it restarted, or shut down):
+            # its idle siblings are as stale. Reads and writes are idempotent, so one
+            # retry on a fresh connection is safe.
+            peer.drop_idle()
+    conn = _Connection.open(peer.address, peer.token, deadline)
+    return _run(peer, conn, op, tables, frames, deadline)
 
 
 def _run(
@@ -682,7 +636,7 @@ def _run(
     conn: _Connection,
     op: _Op,
     tables: list[bytes],
-    frames: list[Sequence[Segment]],
+    frames: list[list[Segment]],
     deadline: float,
 ) -> bytes:
     try:
@@ -699,18 +653,6 @@ def _run(
 
 def _pack_table(segments: Sequence[Segment]) -> bytes:
     return b"".join([_ENTRY.pack(s.region, s.rkey, s.offset, s.buffer.nbytes) for s in segments])
-
-
-def _boundary_error(node: int, peer: _Peer, exc: BaseException, timeout: float) -> BaseException:
-    """Map what a failed call raised to kvfabric's errors (others pass through)."""
-    where = f"node {node} at {peer.raw.decode(errors='replace')}"
-    if isinstance(exc, TransportError):
-        return exc
-    if isinstance(exc, TimeoutError):
-        return TransportTimeoutError(f"{where} did not answer within {timeout:g} s")
-    if isinstance(exc, (OSError, ProtocolError, _Truncated, _Refused)):
-        return TransportError(f"{where}: {exc}")
-    return exc
 
 
 class TcpTransport(Transport):

@@ -10,7 +10,8 @@ passes. Bytes land straight in the caller's buffers.
 One-sidedness depends on what UCX picks (``UCX_TLS``): with ``sm`` (CMA) and RDMA the data
 node's CPU does nothing per read or write; with ``tcp`` UCX emulates RMA in software and the
 node's progress thread serves each request. UCX checks no addresses against registered
-memory, so the client checks every segment's rkey and bounds before posting it.
+memory, so the checks every batch passes first (``kvfabric.spi.PeerClient`` plans it:
+rkey, bounds, writable destination) are the only ones.
 
 Threads: the client has one worker and one lock; every UCX call is made under the lock,
 waits for completion are not, so batches for several nodes are in flight together and
@@ -28,27 +29,28 @@ import select
 import struct
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from kvfabric.errors import PluginUnavailableError, TransportError, TransportTimeoutError
 from kvfabric.spi import (
+    Batch,
     Capabilities,
     Counters,
+    ExceptionMapping,
     MemoryKind,
     NodeEndpoint,
+    PeerClient,
     Region,
     RegionHandle,
     Registry,
-    Segment,
     Transport,
     TransportClient,
     TransportConfig,
     TransportServer,
     address_of,
     byte_view,
-    check_segment_bounds,
     hookimpl,
+    map_exceptions,
 )
 from kvfabric.transports import _ucp
 
@@ -115,8 +117,9 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _boundary(where: str, exc: _ucp.UcxError) -> TransportError:
-    return TransportError(f"{where}: {exc}")
+# Every libucp failure the binding raises; timeouts and failed requests come back as
+# statuses, which the client turns into errors itself.
+_UCX_ERRORS: ExceptionMapping = {_ucp.UcxError: TransportError}
 
 
 # -- server -------------------------------------------------------------------------------
@@ -134,7 +137,7 @@ class _UcxServer(TransportServer):
         self._maps: list[_ucp.MemoryMap] = []
         self._lock = threading.Lock()
         self._stopping = False
-        try:
+        with map_exceptions(_UCX_ERRORS, where="ucx: cannot start the node's worker"):
             self._context = _ucp.Context(_context_config(extra), name="kvfabric-node", shared=True)
             try:
                 self._worker = _ucp.Worker(self._context, _ucp.THREAD_MODE_MULTI)
@@ -143,8 +146,6 @@ class _UcxServer(TransportServer):
             except BaseException:
                 self._context.close()
                 raise
-        except _ucp.UcxError as exc:
-            raise _boundary("ucx: cannot start the node's worker", exc) from exc
         self._thread = threading.Thread(
             target=self._progress_loop, name="kvfabric-ucx-progress", daemon=True
         )
@@ -157,11 +158,9 @@ class _UcxServer(TransportServer):
     def register(self, region: Region) -> RegionHandle:
         view = byte_view(region.view)
         base = address_of(view)
-        try:
+        with map_exceptions(_UCX_ERRORS, where=f"ucx: cannot map region {region.id}"):
             mapped = _ucp.MemoryMap(self._context, base, view.nbytes)
             packed = mapped.pack()
-        except _ucp.UcxError as exc:
-            raise _boundary(f"ucx: cannot map region {region.id}", exc) from exc
         with self._lock:
             self._maps.append(mapped)
         self._counters.add("regions")
@@ -214,35 +213,31 @@ class _UcxServer(TransportServer):
 class _Remote:
     """One region of a node as the client addresses it."""
 
-    __slots__ = ("base", "handle", "packed", "rkey")
+    __slots__ = ("base", "packed", "rkey")
 
     def __init__(self, handle: RegionHandle) -> None:
         if len(handle.info) <= _INFO.size:
             raise TransportError(f"ucx: region {handle.region} has no packed remote key")
         (self.base,) = _INFO.unpack_from(handle.info)
         self.packed = handle.info[_INFO.size :]
-        self.handle = handle
         self.rkey: _ucp.RemoteKey | None = None
 
 
 class _Peer:
-    """A node: its address, its regions, and (while usable) an endpoint and unpacked keys."""
+    """A node (the client's state per node): its regions and, while usable, an endpoint and
+    unpacked keys. ``closed`` once disconnected: calls still holding it then fail."""
 
-    __slots__ = ("address", "ep", "node", "regions")
+    __slots__ = ("address", "closed", "ep", "node", "regions")
 
     def __init__(self, endpoint: NodeEndpoint) -> None:
         self.node = endpoint.node
         self.address = endpoint.address
         self.regions = {h.region: _Remote(h) for h in endpoint.regions}
         self.ep: _ucp.Endpoint | None = None
-
-    def same_as(self, endpoint: NodeEndpoint) -> bool:
-        return self.address == endpoint.address and {
-            r.handle for r in self.regions.values()
-        } == set(endpoint.regions)
+        self.closed = False
 
 
-class _Batch:
+class _Requests:
     """Requests one call posted, and the buffers they use (kept alive until they complete)."""
 
     __slots__ = ("keep", "pending")
@@ -252,27 +247,26 @@ class _Batch:
         self.keep: list[Any] = []
 
 
-class _UcxClient(TransportClient):
+class _UcxClient(PeerClient[_Peer]):
+    native_errors = _UCX_ERRORS
+
     def __init__(self, config: TransportConfig) -> None:
+        super().__init__(config)
         self._b = _native()
-        self._timeout = config.timeout
-        self._peers: dict[int, _Peer] = {}
         # Keys of endpoints closed under running requests: destroyed once nothing is in flight.
         self._retired: list[_ucp.RemoteKey] = []
         self._in_flight = 0
+        # Every UCX call on the worker is made under this lock (the worker is SERIALIZED).
         self._lock = threading.Lock()
-        try:
+        with map_exceptions(_UCX_ERRORS, where="ucx: cannot start a client worker"):
             self._context = _ucp.Context(_context_config(), name="kvfabric-client", shared=False)
             try:
                 # SERIALIZED: any thread may use the worker, one at a time (our lock).
                 self._worker = _ucp.Worker(self._context, _ucp.THREAD_MODE_SERIALIZED)
-                efd = self._worker.efd()
+                self._efd = self._worker.efd()
             except BaseException:
                 self._context.close()
                 raise
-        except _ucp.UcxError as exc:
-            raise _boundary("ucx: cannot start a client worker", exc) from exc
-        self._efd = efd
         # A poll object serves one thread at a time: each waiting thread gets its own.
         self._pollers = threading.local()
 
@@ -288,28 +282,25 @@ class _UcxClient(TransportClient):
             return False
         return True
 
-    def connect(self, endpoint: NodeEndpoint) -> None:
-        with self._lock:
-            old = self._peers.get(endpoint.node)
-            if old is not None and old.same_as(endpoint):
-                return
-            peer = _Peer(endpoint)
-            self._open(peer)
-            self._peers[endpoint.node] = peer
-            if old is not None:
-                self._shut(old)
+    def describe(self, endpoint: NodeEndpoint) -> str:
+        return f"ucx: node {endpoint.node}"
 
-    def disconnect(self, node: int) -> None:
+    def open_peer(self, endpoint: NodeEndpoint) -> _Peer:
+        peer = _Peer(endpoint)
         with self._lock:
-            peer = self._peers.pop(node, None)
-            if peer is not None:
-                self._shut(peer)
+            self._open(peer)
+        return peer
+
+    def close_peer(self, peer: _Peer) -> None:
+        with self._lock:
+            peer.closed = True
+            self._shut(peer)
 
     def close(self) -> None:
+        super().close()
         with self._lock:
-            peers, self._peers = list(self._peers.values()), {}
-            for peer in peers:
-                self._shut(peer)
+            if self._worker.handle is None:
+                return
             self._drain()
             self._destroy_retired()
             self._worker.close()
@@ -317,18 +308,15 @@ class _UcxClient(TransportClient):
 
     def _open(self, peer: _Peer) -> None:
         """Create the endpoint and unpack the region keys (lock held)."""
-        try:
-            ep = _ucp.Endpoint(self._worker, peer.address, name=f"kvfabric-node{peer.node}")
-        except _ucp.UcxError as exc:
-            raise _boundary(f"ucx: cannot reach node {peer.node}", exc) from exc
+        ep = _ucp.Endpoint(self._worker, peer.address, name=f"kvfabric-node{peer.node}")
         try:
             for remote in peer.regions.values():
                 remote.rkey = ep.unpack(remote.packed)
-        except _ucp.UcxError as exc:
+        except BaseException:
             self._close_ep(ep, [r.rkey for r in peer.regions.values()])
             for remote in peer.regions.values():
                 remote.rkey = None
-            raise _boundary(f"ucx: node {peer.node}'s remote keys", exc) from exc
+            raise
         peer.ep = ep
 
     def _shut(self, peer: _Peer) -> None:
@@ -370,27 +358,17 @@ class _UcxClient(TransportClient):
 
     # -- transfers --------------------------------------------------------------------
 
-    def read(self, node: int, segments: Sequence[Segment]) -> list[TransportError | None]:
-        return self._transfer(node, segments, put=False)
+    def read_segments(self, peer: _Peer, batch: Batch) -> None:
+        self._transfer(peer, batch, put=False)
 
-    def write(self, node: int, segments: Sequence[Segment]) -> list[TransportError | None]:
-        return self._transfer(node, segments, put=True)
+    def write_segments(self, peer: _Peer, batch: Batch) -> None:
+        self._transfer(peer, batch, put=True)
 
-    def _transfer(
-        self, node: int, segments: Sequence[Segment], *, put: bool
-    ) -> list[TransportError | None]:
-        deadline = time.monotonic() + self._timeout
+    def _transfer(self, peer: _Peer, batch: Batch, *, put: bool) -> None:
+        requests = _Requests()
         with self._lock:
-            peer = self._peers.get(node)
-        if peer is None:
-            raise TransportError(f"not connected to node {node}")
-        errors, accepted = _plan(peer, segments, put=put)
-        if not accepted:
-            return errors
-        batch = _Batch()
-        with self._lock:
-            if self._peers.get(node) is not peer:
-                raise TransportError(f"node {node} was disconnected")
+            if peer.closed:
+                raise TransportError(f"ucx: node {peer.node} was disconnected")
             if peer.ep is not None and peer.ep.failure != _ucp.OK:
                 # UCX saw the node fail (while progressing for another call): posting on a
                 # failed endpoint is not safe in every UCX release, so start afresh.
@@ -401,48 +379,44 @@ class _UcxClient(TransportClient):
             assert ep is not None
             self._in_flight += 1
             try:
-                failure = self._post(ep, peer, segments, accepted, batch, put=put)
+                failure = self._post(ep, peer, batch, requests, put=put)
             except BaseException:
-                self._abandon(peer, ep, batch)  # what was posted must not outlive the call
+                self._abandon(peer, ep, requests)  # what was posted must not outlive the call
                 self._in_flight -= 1
                 raise
         try:
             if failure == _ucp.OK:
-                failure = self._wait(batch, deadline)
+                failure = self._wait(requests, batch.deadline)
         finally:
             with self._lock:
-                if batch.pending or failure != _ucp.OK:
-                    self._abandon(peer, ep, batch)
+                if requests.pending or failure != _ucp.OK:
+                    self._abandon(peer, ep, requests)
                 self._in_flight -= 1
                 if not self._in_flight and self._retired:
                     self._drain()
                     self._destroy_retired()
         if failure == _ucp.ERR_TIMED_OUT:
             raise TransportTimeoutError(
-                f"ucx: node {node} did not complete {len(accepted)} transfer(s) "
-                f"within {self._timeout:g} s"
+                f"ucx: node {peer.node} did not complete {len(batch.segments)} transfer(s) "
+                f"within {self.config.timeout:g} s"
             )
         if failure != _ucp.OK:
-            raise TransportError(f"ucx: node {node}: {_ucp.status_text(failure)}")
-        return errors
+            raise TransportError(f"ucx: node {peer.node}: {_ucp.status_text(failure)}")
 
     def _post(
-        self,
-        ep: _ucp.Endpoint,
-        peer: _Peer,
-        segments: Sequence[Segment],
-        accepted: list[int],
-        batch: _Batch,
-        *,
-        put: bool,
+        self, ep: _ucp.Endpoint, peer: _Peer, batch: Batch, requests: _Requests, *, put: bool
     ) -> int:
-        """Post every accepted segment (lock held); returns the first failure, or OK."""
+        """Post every segment (lock held); returns the first failure, or OK.
+
+        UCX checks no remote address against mapped memory (over tcp a bad one crashes the
+        node; over CMA it reads whatever is there): the batch was planned, so every segment
+        lies inside a region the node registered.
+        """
         ffi, lib, param = self._b.ffi, self._b.lib, self._b.host_param
         post = lib.ucp_put_nbx if put else lib.ucp_get_nbx
         handle = ep.handle
         regions = peer.regions
-        for i in accepted:
-            seg = segments[i]
+        for seg in batch.segments:
             remote = regions[seg.region]
             assert remote.rkey is not None
             local = ffi.from_buffer(seg.buffer, require_writable=not put)
@@ -458,8 +432,8 @@ class _UcxClient(TransportClient):
                 status = _ucp.ptr_status(ffi, request)
                 if status != _ucp.INPROGRESS:
                     return status
-                batch.pending.append(request)
-                batch.keep.append(local)
+                requests.pending.append(request)
+                requests.keep.append(local)
         if put:
             # A completed put only means our buffer may be reused; the flush completes when
             # every put has landed in the node's memory, so a publish after it is safe.
@@ -468,11 +442,11 @@ class _UcxClient(TransportClient):
                 status = _ucp.ptr_status(ffi, request)
                 if status != _ucp.INPROGRESS:
                     return status
-                batch.pending.append(request)
+                requests.pending.append(request)
         return _ucp.OK
 
-    def _wait(self, batch: _Batch, deadline: float) -> int:
-        """Progress until the batch completes, fails or the deadline passes (GIL-free waits)."""
+    def _wait(self, requests: _Requests, deadline: float) -> int:
+        """Progress until the requests complete, fails or the deadline passes (GIL-free waits)."""
         lib = self._b.lib
         progress, check, free = (
             lib.ucp_worker_progress,
@@ -484,7 +458,7 @@ class _UcxClient(TransportClient):
         while True:
             with self._lock:
                 # Drain first, then scan: with CMA each progress call copies one segment, so
-                # scanning after every call would cost O(n^2) for a large batch.
+                # scanning after every call would cost O(n^2) for a large requests.
                 moved = 0
                 for _ in range(_DRAIN_MAX):
                     done = progress(worker.handle)
@@ -493,7 +467,7 @@ class _UcxClient(TransportClient):
                     moved += done
                 still = []
                 failure = _ucp.OK
-                for request in batch.pending:
+                for request in requests.pending:
                     status = check(request)
                     if status == _ucp.INPROGRESS:
                         still.append(request)
@@ -501,12 +475,12 @@ class _UcxClient(TransportClient):
                     free(request)
                     if status != _ucp.OK and failure == _ucp.OK:
                         failure = status
-                completed = len(still) != len(batch.pending)
-                batch.pending = still
+                completed = len(still) != len(requests.pending)
+                requests.pending = still
                 if failure != _ucp.OK:
                     return int(failure)
                 if not still:
-                    batch.keep.clear()
+                    requests.keep.clear()
                     return _ucp.OK
                 if time.monotonic() > deadline:
                     return _ucp.ERR_TIMED_OUT
@@ -525,7 +499,7 @@ class _UcxClient(TransportClient):
             poller.register(self._efd, select.POLLIN)
         return poller
 
-    def _abandon(self, peer: _Peer, ep: _ucp.Endpoint, batch: _Batch) -> None:
+    def _abandon(self, peer: _Peer, ep: _ucp.Endpoint, requests: _Requests) -> None:
         """After a timeout or failure: cancel what is left and drop the endpoint (lock held).
 
         The next call reconnects. Requests of other calls on the same endpoint complete as
@@ -535,18 +509,18 @@ class _UcxClient(TransportClient):
             self._shut(peer)
         lib = self._b.lib
         for _ in range(_CANCEL_ROUNDS):
-            if not batch.pending:
+            if not requests.pending:
                 break
             lib.ucp_worker_progress(self._worker.handle)
-            batch.pending = [r for r in batch.pending if _still_running(lib, r)]
-        for request in batch.pending:
+            requests.pending = [r for r in requests.pending if _still_running(lib, r)]
+        for request in requests.pending:
             # Released by UCX when it completes; its buffer must outlive it, so keep those.
             log.warning("kvfabric ucx: a request to node %d did not cancel", peer.node)
             lib.ucp_request_free(request)
-        if batch.pending:
-            _leaked_buffers.extend(batch.keep)
-        batch.pending = []
-        batch.keep.clear()
+        if requests.pending:
+            _leaked_buffers.extend(requests.keep)
+        requests.pending = []
+        requests.keep.clear()
 
 
 # Buffers of requests UCX never cancelled; freeing them could let a late transfer write
@@ -559,32 +533,6 @@ def _still_running(lib: Any, request: Any) -> bool:
         return True
     lib.ucp_request_free(request)
     return False
-
-
-def _plan(
-    peer: _Peer, segments: Sequence[Segment], *, put: bool
-) -> tuple[list[TransportError | None], list[int]]:
-    """Check every segment against its region before anything is posted.
-
-    UCX does not check remote addresses against mapped memory (over tcp a bad one crashes
-    the node; over CMA it reads whatever is there), so this check is the only one.
-    """
-    errors: list[TransportError | None] = [None] * len(segments)
-    accepted: list[int] = []
-    regions = peer.regions
-    for i, seg in enumerate(segments):
-        remote = regions.get(seg.region)
-        if remote is None:
-            errors[i] = TransportError(f"node {peer.node} has no region {seg.region}")
-            continue
-        error = check_segment_bounds(seg, remote.handle)
-        if error is None and not put and seg.buffer.readonly:
-            error = TransportError(f"cannot read into a read-only buffer: {seg!r}")
-        if error is not None:
-            errors[i] = error
-        elif seg.buffer.nbytes:
-            accepted.append(i)
-    return errors, accepted
 
 
 class UcxTransport(Transport):

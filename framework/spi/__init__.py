@@ -4,12 +4,16 @@ A plugin imports ``kvfabric.spi`` (and the public ``kvfabric`` API: errors, keys
 descriptor) and nothing else; ruff enforces this for the built-in plugins. Here are the hook
 specifications and registries, the ``Transport``, ``Backend`` and ``Index`` base classes,
 the values that cross them, and the helpers a plugin needs (buffers, counters, wire codec,
-record format, slot allocator, sizes and durations).
+record format, slot allocator, sizes and durations). A transport's client subclasses
+``PeerClient`` and writes only its primitives: the peer table, the segment checks
+(``plan_batch``; ``RegionTable`` on a server) and the error boundary (``map_exceptions``)
+are here, once.
 """
 
 from __future__ import annotations
 
 from kvfabric.spi.backend import Backend, BackendConfig, MemoryKind, Region, new_rkey
+from kvfabric.spi.boundary import SOCKET_ERRORS, ExceptionMapping, map_exceptions
 from kvfabric.spi.buffers import GIL_FREE_COPY_MIN, address_of, byte_view, copy_into, writable_view
 from kvfabric.spi.codec import Reader, Writer
 from kvfabric.spi.counters import CLIENT_COUNTERS, Counters
@@ -34,6 +38,7 @@ from kvfabric.spi.options import (
     parse_bool,
     parse_plugin_options,
 )
+from kvfabric.spi.peers import PeerClient
 from kvfabric.spi.plugins import (
     GROUPS,
     InstalledPlugin,
@@ -57,6 +62,7 @@ from kvfabric.spi.record import (
     validate_record,
 )
 from kvfabric.spi.record_scan import FoundRecord, ScanResult, scan_records
+from kvfabric.spi.segments import Batch, RegionTable, SegmentStatus, plan_batch, segment_status
 from kvfabric.spi.slots import SlotAllocator
 from kvfabric.spi.transport import (
     Capabilities,
@@ -67,7 +73,6 @@ from kvfabric.spi.transport import (
     TransportClient,
     TransportConfig,
     TransportServer,
-    check_segment_bounds,
 )
 from kvfabric.spi.units import format_size, parse_duration, parse_size
 
@@ -79,14 +84,17 @@ __all__ = [
     "HEADER_SIZE",
     "MAGIC",
     "SLOT_ALIGN",
+    "SOCKET_ERRORS",
     "AllocateResult",
     "Allocation",
     "AllocationKind",
     "AllocationRequest",
     "Backend",
     "BackendConfig",
+    "Batch",
     "Capabilities",
     "Counters",
+    "ExceptionMapping",
     "Failure",
     "FoundRecord",
     "GrantRef",
@@ -98,6 +106,7 @@ __all__ = [
     "NodeEndpoint",
     "NodeInfo",
     "OptionSpec",
+    "PeerClient",
     "Plugin",
     "PluginManager",
     "PluginOptions",
@@ -106,9 +115,11 @@ __all__ = [
     "Region",
     "RegionHandle",
     "RegionInfo",
+    "RegionTable",
     "Registry",
     "ScanResult",
     "Segment",
+    "SegmentStatus",
     "SlotAllocator",
     "Transport",
     "TransportClient",
@@ -117,7 +128,6 @@ __all__ = [
     "Writer",
     "address_of",
     "byte_view",
-    "check_segment_bounds",
     "checksum",
     "checksum_pieces",
     "copy_into",
@@ -126,6 +136,7 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "installed_plugins",
+    "map_exceptions",
     "new_rkey",
     "pack_header",
     "parse_bool",
@@ -133,9 +144,11 @@ __all__ = [
     "parse_header",
     "parse_plugin_options",
     "parse_size",
+    "plan_batch",
     "plugin_manager",
     "record_size",
     "scan_records",
+    "segment_status",
     "validate_record",
     "writable_view",
 ]

@@ -21,10 +21,10 @@ GIL_FREE_COPY_MIN = 64 * 1024
 def byte_view(obj: Any) -> memoryview:
     """A flat, C-contiguous ``'B'`` view of any buffer (bytes, bytearray, mmap, numpy, ...)."""
     view = obj if isinstance(obj, memoryview) else memoryview(obj)
-    if view.format == "B" and view.ndim == 1:
-        return view
     if not view.c_contiguous:
         raise ValueError("buffer must be C-contiguous")
+    if view.format == "B" and view.ndim == 1:
+        return view
     return view.cast("B")
 
 
@@ -44,7 +44,13 @@ def address_of(view: memoryview) -> int:
 
 
 def copy_into(dest: memoryview, src: memoryview) -> None:
-    """Copy ``src`` into the start of ``dest`` (flat views, ``len(dest) >= len(src)``)."""
+    """Copy ``src`` into the start of ``dest`` (flat views, ``len(dest) >= len(src)``).
+
+    A read-only ``dest`` is refused: ``ctypes.memmove`` would write through it regardless
+    (into a ``bytes`` object, say).
+    """
+    if dest.readonly:
+        raise ValueError("destination is read-only")
     n = src.nbytes
     if n > dest.nbytes:
         raise ValueError(f"destination holds {dest.nbytes} bytes, source has {n}")

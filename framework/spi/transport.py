@@ -9,6 +9,10 @@ The client API is synchronous and batched: one call moves a whole batch for one 
 must release the GIL while bytes move (sockets, ``ctypes.memmove``, native completion
 waits). The store issues the calls for different nodes concurrently and the async API runs
 them off the event loop, so a transport never needs its own event loop.
+
+:class:`TransportClient` is that API as the framework sees it. A transport implements it by
+subclassing :class:`~kvfabric.spi.PeerClient`, which does the shared work (peer table,
+segment checks, error mapping) and leaves the transport its primitives.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ __all__ = [
     "TransportClient",
     "TransportConfig",
     "TransportServer",
-    "check_segment_bounds",
 ]
 
 
@@ -140,7 +143,10 @@ class TransportServer(abc.ABC):
 
 
 class TransportClient(abc.ABC):
-    """The client side of a transport; thread-safe."""
+    """The client side of a transport as the framework calls it; thread-safe.
+
+    Transports subclass :class:`~kvfabric.spi.PeerClient`, which implements all of this.
+    """
 
     @abc.abstractmethod
     def connect(self, endpoint: NodeEndpoint) -> None:
@@ -155,7 +161,8 @@ class TransportClient(abc.ABC):
         """Land every segment in its buffer; one entry per segment, ``None`` when it landed.
 
         Raises :class:`TransportError` (or :class:`TransportTimeoutError`) when the node as a
-        whole cannot be used; returns an error per segment the node refused.
+        whole cannot be used; returns an error per segment refused (by the checks every
+        segment passes first, or by the node). A refused segment's buffer is left untouched.
         """
 
     @abc.abstractmethod
@@ -186,16 +193,3 @@ class Transport(Plugin, abc.ABC):
     @classmethod
     @abc.abstractmethod
     def create_client(cls, config: TransportConfig) -> TransportClient: ...
-
-
-def check_segment_bounds(segment: Segment, handle: RegionHandle) -> TransportError | None:
-    """The shared bounds and rkey check every server (or local client) applies."""
-    if segment.rkey != handle.rkey:
-        return TransportError(f"bad rkey for region {segment.region}")
-    end = segment.offset + segment.buffer.nbytes
-    if segment.offset < 0 or end > handle.size:
-        return TransportError(
-            f"segment [{segment.offset}, {end}) outside region {segment.region} "
-            f"of {handle.size} bytes"
-        )
-    return None

@@ -22,16 +22,19 @@ from kvfabric.testing.hooks import corrupt_payload, resolve_descriptor
 from kvfabric.testing.index_suite import IndexConformance, MakeIndex
 from kvfabric.testing.store_suite import StoreConformance
 from kvfabric.testing.transport_suite import (
+    MakeClient,
     RegionServer,
     TransportConformance,
     open_client,
     round_trip_works,
     segment_for,
+    wait_until_stopped,
 )
 
 __all__ = [
     "Cluster",
     "IndexConformance",
+    "MakeClient",
     "MakeIndex",
     "RegionServer",
     "StoreConformance",
@@ -42,4 +45,5 @@ __all__ = [
     "resolve_descriptor",
     "round_trip_works",
     "segment_for",
+    "wait_until_stopped",
 ]

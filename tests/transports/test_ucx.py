@@ -3,7 +3,9 @@
 tox runs this file twice: ``ucx-sm`` (``UCX_TLS=sm``: CMA, one-sided) and ``ucx-tcp``
 (``UCX_TLS=tcp``: RMA emulated by the node's progress thread). Tests whose outcome depends
 on which one is in force say so in their name and skip under the other. Servers are real
-processes on 127.0.0.1; nothing asserts a timing beyond bounds only a hang would exceed.
+processes on 127.0.0.1; nothing asserts a timing (what is measured is printed). What every
+transport must do (killed and stalled nodes, refusals, reconnects) is in the conformance
+suite; here is what only UCX shows.
 """
 
 from __future__ import annotations
@@ -19,18 +21,16 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 
 import kvfabric
 from kvfabric import PutOutcome
-from kvfabric.errors import PluginUnavailableError, TransportError, TransportTimeoutError
+from kvfabric.errors import PluginUnavailableError, TransportError
 from kvfabric.keys import chain_keys
-from kvfabric.spi.codec import Writer
-from kvfabric.spi.plugins import plugin_manager
-from kvfabric.spi.transport import NodeEndpoint, Segment, TransportConfig
+from kvfabric.spi import NodeEndpoint, Segment, TransportConfig, Writer, plugin_manager
 from kvfabric.testing import (
     Cluster,
     RegionServer,
@@ -39,6 +39,7 @@ from kvfabric.testing import (
     open_client,
     round_trip_works,
     segment_for,
+    wait_until_stopped,
 )
 
 _MIB = 1 << 20
@@ -82,7 +83,9 @@ class TestUcxTransport(TransportConformance):
 class TestEmbeddedStoreOverUcx(StoreConformance):
     @pytest.fixture
     def store_url(self, unique_name: str) -> str:
-        return f"embedded://{unique_name}?capacity=512MiB&transport=ucx"
+        # The timeout bounds a hang, not the machine's speed: under UCX_TLS=tcp on a busy
+        # host a 256 MiB put took more than the default 2 s.
+        return f"embedded://{unique_name}?capacity=512MiB&transport=ucx&timeout=60s"
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +100,7 @@ class TestClusterStoreOverUcx(StoreConformance):
 
     @pytest.fixture
     def store_url(self, ucx_cluster: Cluster) -> str:
-        return ucx_cluster.url(transport="ucx")
+        return ucx_cluster.url(transport="ucx", timeout="60s")
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -133,6 +136,7 @@ def _read_64_chunks_from_a_stopped_node(
         with kvfabric.connect(cluster.url(transport=transport, timeout=timeout)) as reader:
             assert reader.batched_contains(keys) == 64  # every descriptor is now prefetched
             cluster.signal_node(0, signal.SIGSTOP)
+            wait_until_stopped(cluster.node_pid(0))
             try:
                 started = time.monotonic()
                 got = _as_bytes(reader.batched_get(keys))
@@ -150,118 +154,61 @@ def test_ucx_sm_reads_complete_and_validate_while_the_node_is_stopped() -> None:
     assert got == values
 
 
-def test_tcp_transport_reads_from_a_stopped_node_end_in_misses_within_the_timeout() -> None:
-    got, _, elapsed = _read_64_chunks_from_a_stopped_node("tcp", "1s")
-    print(f"\ntcp, node SIGSTOPped: 64 misses after {elapsed:.2f} s")
-    assert got == [None] * 64
-    assert elapsed < 1.0 + 3.0  # the timeout plus slack; a hang would be far beyond
-
-
 @needs_ucx
 @only_tcp
 def test_ucx_tcp_reads_from_a_stopped_node_end_in_misses_within_the_timeout() -> None:
     got, _, elapsed = _read_64_chunks_from_a_stopped_node("ucx", "1s")
-    print(f"\nucx tcp, node SIGSTOPped: 64 misses after {elapsed:.2f} s")
+    print(f"\nucx tcp, node SIGSTOPped: 64 misses after {elapsed:.2f} s (timeout 1 s)")
     assert got == [None] * 64
-    assert elapsed < 1.0 + 3.0
-
-
-@needs_ucx
-def test_stopped_node_then_continued_is_read_again(server: RegionServer) -> None:
-    """Over sm the stop changes nothing; over tcp the read times out, then reconnects."""
-    endpoint = server.endpoint
-    data = os.urandom(256 * 1024)
-    client = open_client("ucx", endpoint, timeout=1.0)
-    try:
-        assert client.write(1, [segment_for(endpoint, 0, 0, data)]) == [None]
-        os.kill(server.process.pid, signal.SIGSTOP)
-        try:
-            dest = bytearray(len(data))
-            started = time.monotonic()
-            try:
-                outcome = client.read(1, [segment_for(endpoint, 0, 0, dest)])
-            except TransportTimeoutError:
-                assert TLS != "sm", "a CMA read must not need the node"
-            else:
-                assert outcome == [None]
-                assert dest == data
-            assert time.monotonic() - started < 1.0 + 3.0
-        finally:
-            os.kill(server.process.pid, signal.SIGCONT)
-        dest = bytearray(len(data))
-        assert client.read(1, [segment_for(endpoint, 0, 0, dest)]) == [None]
-        assert dest == data
-    finally:
-        client.close()
 
 
 @needs_ucx
 @only_tcp
 def test_a_stopped_node_does_not_hold_up_reads_from_another_node() -> None:
-    """One client, two nodes: the stalled node's read waits out its timeout alone."""
+    """One client, two nodes: reads from the healthy node complete while a read from the
+    stopped one is still waiting (its timeout is far away); once continued, it lands."""
     stalled, healthy = RegionServer("ucx", env=_tls_env()), RegionServer("ucx", env=_tls_env())
-    client: Any = plugin_manager().transport("ucx").create_client(TransportConfig(timeout=2.0))
+    client = plugin_manager().transport("ucx").create_client(TransportConfig(timeout=60.0))
     try:
         client.connect(stalled.endpoint)
-        healthy_endpoint = NodeEndpoint(
-            node=2,
-            transport="ucx",
-            address=healthy.endpoint.address,
-            regions=healthy.endpoint.regions,
-        )
+        healthy_endpoint = attrs.evolve(healthy.endpoint, node=2)
         client.connect(healthy_endpoint)
         data = os.urandom(64 * 1024)
+        assert client.write(1, [segment_for(stalled.endpoint, 0, 0, data)]) == [None]
         assert client.write(2, [segment_for(healthy_endpoint, 0, 0, data)]) == [None]
-        assert client.read(1, [segment_for(stalled.endpoint, 0, 0, bytearray(16))]) == [None]
-        os.kill(stalled.process.pid, signal.SIGSTOP)
-        outcome: list[BaseException] = []
+        stalled.stop()
+        stalled_dest = bytearray(len(data))
+        outcome: list[object] = []
 
         def read_stalled() -> None:
             try:
-                client.read(1, [segment_for(stalled.endpoint, 0, 0, bytearray(64 * 1024))])
+                outcome.append(client.read(1, [segment_for(stalled.endpoint, 0, 0, stalled_dest)]))
             except TransportError as exc:
                 outcome.append(exc)
 
         waiter = threading.Thread(target=read_stalled)
         waiter.start()
-        time.sleep(0.2)
-        slowest = 0.0
-        while waiter.is_alive():
+        reads = 0
+        until = time.monotonic() + 1.0  # long enough for the stalled read to be posted
+        while time.monotonic() < until or reads < 10:
             dest = bytearray(len(data))
-            started = time.monotonic()
             assert client.read(2, [segment_for(healthy_endpoint, 0, 0, dest)]) == [None]
-            slowest = max(slowest, time.monotonic() - started)
             assert dest == data
+            reads += 1
+        assert waiter.is_alive(), f"the stalled read ended early: {outcome}"
+        print(f"\n{reads} reads from the healthy node while the stopped node's read waited")
+        stalled.resume()
         waiter.join()
-        print(f"\nslowest read from the healthy node meanwhile: {slowest * 1e3:.1f} ms")
-        assert slowest < 1.0  # far below the stalled node's 2 s timeout
-        assert len(outcome) == 1
-        assert isinstance(outcome[0], TransportTimeoutError)
+        assert outcome == [[None]]
+        assert stalled_dest == data
     finally:
-        os.kill(stalled.process.pid, signal.SIGCONT)
+        stalled.resume()
         client.close()
         stalled.close()
         healthy.close()
 
 
 # -- faults --------------------------------------------------------------------------------
-
-
-@needs_ucx
-def test_killed_node_fails_fast_not_at_the_timeout(server: RegionServer) -> None:
-    endpoint = server.endpoint
-    client = open_client("ucx", endpoint, timeout=30.0)
-    try:
-        assert client.read(1, [segment_for(endpoint, 0, 0, bytearray(4096))]) == [None]
-        server.kill()
-        for _ in range(2):  # on the endpoint that saw the node die, then on a fresh one
-            started = time.monotonic()
-            with pytest.raises(TransportError) as caught:
-                client.read(1, [segment_for(endpoint, 0, 0, bytearray(4096))])
-            assert not isinstance(caught.value, TransportTimeoutError)
-            assert time.monotonic() - started < 5.0
-    finally:
-        client.close()
 
 
 @needs_ucx
@@ -411,7 +358,6 @@ def test_a_python_thread_keeps_running_while_reads_are_in_flight() -> None:
         f"(which kept {elsewhere_rate / idle_rate:.2f} of idle)"
     )
     assert batches >= 1
-    assert share > 0.2  # a sanity bound only: a GIL held across the wait would be near 0
 
 
 # -- selection without UCX -----------------------------------------------------------------
@@ -436,7 +382,7 @@ def test_selecting_ucx_without_its_library_gives_the_install_hint() -> None:
     assert listed.returncode == 0
     row = next(line for line in listed.stdout.splitlines() if " ucx " in f" {line} ")
     assert "unavailable" in row
-    assert _HINT in row
+    assert _HINT in listed.stdout  # with the reason, under "unavailable here"
     selected = _run(
         """
         import kvfabric
@@ -492,9 +438,17 @@ def test_selecting_ucx_without_cffi_gives_the_install_hint() -> None:
 # -- a node serving several transports -----------------------------------------------------
 
 
-def _tcp_requests_served(cluster: Cluster) -> int:
-    time.sleep(0.6)  # counters travel with the node's heartbeat (every 0.25 s)
-    return sum(v.get("tcp_requests", 0) for k, v in cluster.stats().items() if k != "controller")
+def _node_stats_reported_since_now(cluster: Cluster) -> dict[str, int]:
+    """The node's counters from a heartbeat sent after this call (they ride heartbeats)."""
+    seen = cluster.stats()["controller"].get("rpc_heartbeat", 0)
+    deadline = time.monotonic() + 30.0
+    while True:
+        stats = cluster.stats()
+        # Two more: the first may have left the node before this call.
+        if stats["controller"].get("rpc_heartbeat", 0) >= seen + 2:
+            return next(v for k, v in stats.items() if k.startswith("node"))
+        assert time.monotonic() < deadline, "the node sent no heartbeat"
+        time.sleep(0.05)
 
 
 @needs_ucx
@@ -505,9 +459,7 @@ def test_a_node_serving_ucx_shm_and_tcp_is_read_over_ucx_when_asked() -> None:
         with kvfabric.connect(cluster.url(transport="ucx")) as forced:
             assert forced.batched_put(keys, values) == [PutOutcome.STORED] * 8
             assert _as_bytes(forced.batched_get(keys)) == values
-        with kvfabric.connect(cluster.url()) as chosen:  # picks shm: same host
+        with kvfabric.connect(cluster.url()) as chosen:  # picks shm: preferred, same host
             assert _as_bytes(chosen.batched_get(keys)) == values
-        assert _tcp_requests_served(cluster) == 0
-        with kvfabric.connect(cluster.url(transport="tcp")) as over_tcp:
-            assert _as_bytes(over_tcp.batched_get(keys)) == values
-        assert _tcp_requests_served(cluster) > 0
+        # tcp, which the node also serves, moved none of it.
+        assert _node_stats_reported_since_now(cluster)["tcp_requests"] == 0

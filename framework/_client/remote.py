@@ -76,8 +76,10 @@ def _transport_clients(
         return {forced.name: forced.create_client(_configured(config, forced, settings))}
     clients: dict[str, TransportClient] = {}
     for cls in plugins.installed_transports():
+        # Outside the try: a bad NAME.OPTION is the user's mistake, not "unusable here".
+        configured = _configured(config, cls, settings)
         try:
-            clients[cls.name] = cls.create_client(_configured(config, cls, settings))
+            clients[cls.name] = cls.create_client(configured)
         except KvfabricError as exc:
             log.debug("transport %s not usable here: %s", cls.name, exc)
     return clients

@@ -51,6 +51,7 @@ __all__ = [
     "copy_many",
     "crc32c",
     "crc32c_many",
+    "crc32c_portable",
     "exchange",
     "gil_reacquisitions",
     "recv_into_all",
@@ -77,6 +78,14 @@ Spans = Sequence[tuple[int, int]]
 def crc32c(data: ReadableBuffer, value: int = 0) -> int:
     """CRC32C of one buffer, continuing from ``value`` (``crc32c(b, crc32c(a))`` is a + b)."""
     return _native.crc32c(data, value)
+
+
+def crc32c_portable(data: ReadableBuffer, value: int = 0) -> int:
+    """:func:`crc32c` through the portable table, never the CPU's instruction (keeps the GIL).
+
+    What runs where the CPU has no CRC32 instruction; here so it can be checked anywhere.
+    """
+    return _native.crc32c_portable(data, value)
 
 
 def crc32c_many(

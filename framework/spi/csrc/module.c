@@ -17,6 +17,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <stdarg.h>
 #include <string.h>
 
 #include "crc32c.h"
@@ -70,10 +71,10 @@ static void views_release(Views *vs) {
     vs->n = 0;
 }
 
-/* Re-raise the pending error with where it happened in front ("pair 3: destination: ..."),
-   keeping its type and chaining the original; only for the types the buffer protocol
-   raises, whose constructors take a message. */
-static void name_error(const char *func, const char *what, Py_ssize_t index) {
+/* Re-raise the pending error with where it happened in front ("copy_many: destination of
+   pair 3: ..."), keeping its type and chaining the original; only for the types the buffer
+   protocol raises, whose constructors take a message. */
+static void name_error(const char *func, const char *where_fmt, ...) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
@@ -83,7 +84,18 @@ static void name_error(const char *func, const char *what, Py_ssize_t index) {
         PyErr_Restore(type, value, tb);
         return;
     }
-    PyErr_Format(type, "%s: %s %zd: %S", func, what, index, value);
+    va_list va;
+    va_start(va, where_fmt);
+    PyObject *where = PyUnicode_FromFormatV(where_fmt, va);
+    va_end(va);
+    if (!where) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return;
+    }
+    PyErr_Format(type, "%s: %U: %S", func, where, value);
+    Py_DECREF(where);
     PyObject *t2, *v2, *tb2;
     PyErr_Fetch(&t2, &v2, &tb2);
     PyErr_NormalizeException(&t2, &v2, &tb2);
@@ -97,25 +109,50 @@ static void name_error(const char *func, const char *what, Py_ssize_t index) {
     Py_XDECREF(tb);
 }
 
-static int get_view(Views *vs, PyObject *obj, int writable, const char *func, const char *what,
-                    Py_ssize_t index) {
-    int flags = writable ? PyBUF_WRITABLE : PyBUF_SIMPLE;
-    if (PyObject_GetBuffer(obj, &vs->v[vs->n], flags) < 0) {
-        name_error(func, what, index);
+/* Take obj's buffer into the next free view; -1 with the exporter's error set. */
+static int get_view(Views *vs, PyObject *obj, int writable) {
+    if (PyObject_GetBuffer(obj, &vs->v[vs->n], writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0)
         return -1;
-    }
     vs->n++;
     return 0;
 }
 
-/* Every item of `seq` as a buffer, appended to vs (which has room). */
+/* Every item of a PySequence_Fast as a buffer, appended to vs (which has room); an error
+   names the item ("<what> <index>"). */
 static int get_views(Views *vs, PyObject *fast, int writable, const char *func,
                      const char *what) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t i = 0; i < n; i++)
-        if (get_view(vs, items[i], writable, func, what, i) < 0)
+        if (get_view(vs, items[i], writable) < 0) {
+            name_error(func, "%s %zd", what, i);
             return -1;
+        }
+    return 0;
+}
+
+static int get_view_named(Views *vs, PyObject *obj, int writable, const char *func,
+                          const char *what) {
+    if (get_view(vs, obj, writable) < 0) {
+        name_error(func, "%s", what);
+        return -1;
+    }
+    return 0;
+}
+
+/* The two items of a 2-sequence (new references); -1 with TypeError/ValueError set. */
+static int unpack2(PyObject *item, PyObject **a, PyObject **b, const char *what) {
+    PyObject *fast = PySequence_Fast(item, what);
+    if (!fast)
+        return -1;
+    if (PySequence_Fast_GET_SIZE(fast) != 2) {
+        Py_DECREF(fast);
+        PyErr_SetString(PyExc_ValueError, what);
+        return -1;
+    }
+    *a = Py_NewRef(PySequence_Fast_GET_ITEM(fast, 0));
+    *b = Py_NewRef(PySequence_Fast_GET_ITEM(fast, 1));
+    Py_DECREF(fast);
     return 0;
 }
 
@@ -139,10 +176,19 @@ static Py_ssize_t parse_spans(PyObject *spans, Py_ssize_t count, int32_t *span_o
     }
     Py_ssize_t previous_stop = 0;
     for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *a, *b;
         Py_ssize_t start, stop;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, k), "nn;crc_spans items are (start, stop)",
-                              &start, &stop)) {
-            name_error(func, "crc span", k);
+        if (unpack2(PySequence_Fast_GET_ITEM(fast, k), &a, &b, "a crc span is (start, stop)") <
+            0) {
+            name_error(func, "crc span %zd", k);
+            goto fail;
+        }
+        start = PyNumber_AsSsize_t(a, PyExc_OverflowError);
+        stop = start == -1 && PyErr_Occurred() ? -1 : PyNumber_AsSsize_t(b, PyExc_OverflowError);
+        Py_DECREF(a);
+        Py_DECREF(b);
+        if (stop == -1 && PyErr_Occurred()) {
+            name_error(func, "crc span %zd", k);
             goto fail;
         }
         if (start < previous_stop || stop < start || stop > count) {
@@ -224,7 +270,7 @@ static PyObject *one_crc(PyObject *args, int table_only) {
 
 static PyObject *py_crc32c(PyObject *self, PyObject *args) { return one_crc(args, 0); }
 
-static PyObject *py_crc32c_table(PyObject *self, PyObject *args) { return one_crc(args, 1); }
+static PyObject *py_crc32c_portable(PyObject *self, PyObject *args) { return one_crc(args, 1); }
 
 static PyObject *py_crc32c_many(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"values", "initial", NULL};
@@ -256,7 +302,7 @@ static PyObject *py_crc32c_many(PyObject *self, PyObject *args, PyObject *kwargs
         }
         inner[i] = PySequence_Fast(item, "a value is a buffer or a sequence of buffers");
         if (!inner[i]) {
-            name_error(func, "value", i);
+            name_error(func, "value %zd", i);
             goto done;
         }
         pieces += PySequence_Fast_GET_SIZE(inner[i]);
@@ -284,9 +330,14 @@ static PyObject *py_crc32c_many(PyObject *self, PyObject *args, PyObject *kwargs
     size_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (inner[i]) {
-            if (get_views(&vs, inner[i], 0, func, "piece of a value") < 0)
-                goto done;
-        } else if (get_view(&vs, PySequence_Fast_GET_ITEM(fast, i), 0, func, "value", i) < 0) {
+            Py_ssize_t count = PySequence_Fast_GET_SIZE(inner[i]);
+            for (Py_ssize_t j = 0; j < count; j++)
+                if (get_view(&vs, PySequence_Fast_GET_ITEM(inner[i], j), 0) < 0) {
+                    name_error(func, "piece %zd of value %zd", j, i);
+                    goto done;
+                }
+        } else if (get_view(&vs, PySequence_Fast_GET_ITEM(fast, i), 0) < 0) {
+            name_error(func, "value %zd", i);
             goto done;
         }
     }
@@ -358,13 +409,18 @@ static PyObject *py_copy_many(PyObject *self, PyObject *args, PyObject *kwargs) 
     /* Every pair is checked before any byte moves: a refused batch writes nothing. */
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *dest, *src;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "OO;a pair is (dest, src)",
-                              &dest, &src)) {
-            name_error(func, "pair", i);
+        if (unpack2(PySequence_Fast_GET_ITEM(fast, i), &dest, &src, "a pair is (dest, src)") < 0) {
+            name_error(func, "pair %zd", i);
             goto done;
         }
-        if (get_view(&vs, dest, 1, func, "destination of pair", i) < 0 ||
-            get_view(&vs, src, 0, func, "source of pair", i) < 0)
+        int bad = get_view(&vs, dest, 1);
+        if (bad < 0)
+            name_error(func, "destination of pair %zd", i);
+        else if ((bad = get_view(&vs, src, 0)) < 0)
+            name_error(func, "source of pair %zd", i);
+        Py_DECREF(dest);
+        Py_DECREF(src);
+        if (bad < 0)
             goto done;
         Py_ssize_t have = vs.v[2 * i].len, need = vs.v[2 * i + 1].len;
         if (have < need) {
@@ -666,7 +722,7 @@ static PyObject *py_exchange(PyObject *self, PyObject *args, PyObject *kwargs) {
     /* Views: the send buffers, then the reply, then the payloads. */
     if (views_init(&vs, nsend + 1 + npay) < 0 ||
         get_views(&vs, send_fast, 0, func, "send buffer") < 0 ||
-        get_view(&vs, reply, 1, func, "reply", 0) < 0 ||
+        get_view_named(&vs, reply, 1, func, "reply") < 0 ||
         get_views(&vs, pay_fast, 1, func, "payload") < 0)
         goto done;
     const Py_buffer *reply_view = &vs.v[nsend];
@@ -755,8 +811,8 @@ static PyMethodDef methods[] = {
      "list[int]: send, receive the reply, then the payloads it accepts."},
     {"gil_reacquisitions", py_gil_reacquisitions, METH_NOARGS,
      "gil_reacquisitions() -> int: times this module took the GIL back, in this thread."},
-    {"_crc32c_table", py_crc32c_table, METH_VARARGS,
-     "_crc32c_table(data, value=0, /) -> int: crc32c through the portable table (tests)."},
+    {"crc32c_portable", py_crc32c_portable, METH_VARARGS,
+     "crc32c_portable(data, value=0, /) -> int: crc32c through the portable table."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,0 +1,587 @@
+"""kvfabric.spi.native: the batch CRC32C, copies and socket loops, and their GIL contract.
+
+Real sockets on 127.0.0.1 and socketpairs; the busy thread is a real Python thread. The
+GIL contract is asserted as outcomes: a busy thread's counter advanced during a call, and
+the exact number of times a call took the GIL back (the module counts them).
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import random
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import crc32c as crc32c_package
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfabric.spi import checksum_pieces, native
+
+SIZES = [0, 1, 7, 8, 9, 63, 64, 255, 256, 767, 768, 769, 8191, 24575, 24576, 24577, 100_003]
+DATA = np.random.default_rng(12).bytes(1 << 21)
+
+
+def _crc(data: Any, value: int = 0) -> int:
+    return int(crc32c_package.crc32c(data, value))
+
+
+# -- CRC32C -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_crc32c_equals_the_crc32c_package_at_every_alignment_and_continuation(size: int) -> None:
+    for offset in range(9):
+        piece = memoryview(DATA)[offset : offset + size]
+        for value in (0, 1, 0xFFFFFFFF, 0x12345678):
+            expected = _crc(piece, value)
+            assert native.crc32c(piece, value) == expected
+            # The portable table, used where the CPU has no CRC32 instruction.
+            assert native.crc32c_portable(piece, value) == expected
+
+
+def test_crc32c_of_a_large_buffer_equals_the_package_and_the_table() -> None:
+    big = memoryview(DATA)[3:]
+    assert native.crc32c(big) == _crc(big) == native.crc32c_portable(big)
+
+
+def test_crc32c_continues_across_a_split() -> None:
+    a, b = memoryview(DATA)[:100_001], memoryview(DATA)[100_001:300_000]
+    assert native.crc32c(b, native.crc32c(a)) == _crc(DATA[:300_000])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    size=st.integers(0, 70_000),
+    offset=st.integers(0, 15),
+    cuts=st.lists(st.integers(0, 70_000), max_size=6),
+    initial=st.integers(0, 0xFFFFFFFF),
+)
+def test_crc32c_many_equals_checksum_pieces_for_any_split(
+    size: int, offset: int, cuts: list[int], initial: int
+) -> None:
+    data = memoryview(DATA)[offset : offset + size]
+    bounds = sorted({0, size, *(c for c in cuts if c <= size)})
+    pieces = [data[a:b] for a, b in itertools.pairwise(bounds)]
+    [crc] = native.crc32c_many([pieces])
+    assert crc == checksum_pieces(pieces) == _crc(data)
+    [continued] = native.crc32c_many([pieces], initial=[initial])
+    assert continued == _crc(data, initial)
+
+
+def test_crc32c_many_takes_a_value_as_one_buffer_or_pieces_of_any_exporter() -> None:
+    array = np.frombuffer(DATA[:4096], dtype=np.uint32)
+    with mmap.mmap(-1, 4096) as mapped:
+        mapped.write(DATA[:4096])
+        values: list[Any] = [
+            DATA[:4096],
+            bytearray(DATA[:4096]),
+            array,
+            mapped,
+            [memoryview(DATA)[:1000], array[250:]],
+            [],
+        ]
+        crcs = native.crc32c_many(values)
+        del values
+    assert crcs == [_crc(DATA[:4096])] * 5 + [0]
+
+
+def test_crc32c_many_names_the_bad_item_and_refuses_bad_initial_values() -> None:
+    strided = memoryview(bytearray(64))[::2]
+    with pytest.raises(BufferError, match="piece 1 of value 1"):
+        native.crc32c_many([b"ok", [b"fine", strided]])
+    with pytest.raises(TypeError, match="value 0"):
+        native.crc32c_many([12])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="2 initial values for 1 values"):
+        native.crc32c_many([b"x"], initial=[1, 2])
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
+        native.crc32c_many([b"x"], initial=[1 << 32])
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
+        native.crc32c(b"x", -1)
+
+
+# -- copies -------------------------------------------------------------------------------
+
+
+def _random_pairs(count: int, seed: int) -> tuple[list[tuple[Any, Any]], list[bytes]]:
+    rng = random.Random(seed)
+    pairs: list[tuple[Any, Any]] = []
+    sources: list[bytes] = []
+    for _ in range(count):
+        size = rng.choice([0, 1, 63, 64, 4095, 65_536, 65_537, 300_001])
+        start = rng.randrange(0, len(DATA) - size)
+        src = DATA[start : start + size]
+        slack = rng.choice([0, 1, 100])
+        pairs.append((bytearray(size + slack), memoryview(DATA)[start : start + size]))
+        sources.append(src)
+    return pairs, sources
+
+
+def test_copy_many_lands_every_pair_exactly_and_leaves_the_rest_of_each_destination() -> None:
+    pairs, sources = _random_pairs(40, seed=1)
+    for dest, _ in pairs:
+        dest[:] = b"\xee" * len(dest)
+    assert native.copy_many(pairs) == []
+    for (dest, _), src in zip(pairs, sources, strict=True):
+        assert bytes(dest[: len(src)]) == src
+        assert set(dest[len(src) :]) <= {0xEE}
+
+
+def test_copy_many_with_spans_returns_the_crc_of_what_landed_per_span() -> None:
+    pairs, sources = _random_pairs(30, seed=2)
+    spans = [(0, 3), (3, 3), (5, 17), (17, 18), (20, 30)]
+    crcs = native.copy_many(pairs, crc_spans=spans)
+    assert crcs == [_crc(b"".join(sources[a:b])) for a, b in spans]
+    for (dest, _), src in zip(pairs, sources, strict=True):
+        assert bytes(dest[: len(src)]) == src
+
+
+def test_copy_many_into_numpy_and_mmap_destinations() -> None:
+    out = np.zeros(1 << 20, dtype=np.uint8)
+    with mmap.mmap(-1, 1 << 20) as mapped:
+        crcs = native.copy_many(
+            [(out, DATA[: 1 << 20]), (mapped, DATA[1 << 20 :])], crc_spans=[(0, 2)]
+        )
+        assert mapped[:] == DATA[1 << 20 :]
+    assert out.tobytes() == DATA[: 1 << 20]
+    assert crcs == [_crc(DATA)]
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "match"),
+    [
+        (b"read-only bytes!", BufferError, "destination of pair 2"),
+        (memoryview(bytearray(16)).toreadonly(), BufferError, "destination of pair 2"),
+        (bytearray(3), ValueError, "pair 2: destination holds 3 bytes, source has 16"),
+    ],
+)
+def test_copy_many_refuses_a_bad_destination_before_writing_anything(
+    bad: Any, error: type[Exception], match: str
+) -> None:
+    first, second = bytearray(16), bytearray(1 << 20)
+    pairs = [(first, DATA[:16]), (second, DATA[: 1 << 20]), (bad, DATA[:16])]
+    with pytest.raises(error, match=match):
+        native.copy_many(pairs)
+    assert first == bytearray(16)
+    assert second == bytearray(1 << 20)
+
+
+@pytest.mark.parametrize(
+    "spans", [[(1, 0)], [(0, 2), (1, 3)], [(0, 4)], [(2, 3), (0, 1)], [(-1, 1)]]
+)
+def test_copy_many_refuses_spans_out_of_order_overlapping_or_out_of_range(
+    spans: list[tuple[int, int]],
+) -> None:
+    dest = bytearray(1)
+    with pytest.raises(ValueError, match="crc span"):
+        native.copy_many([(dest, b"a"), (bytearray(1), b"b"), (bytearray(1), b"c")], spans)
+    assert dest == bytearray(1)
+
+
+# -- sockets ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tcp_pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A connected TCP pair on 127.0.0.1 (client, server side)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+    with client, server:
+        yield client, server
+
+
+def _in_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """Run ``fn`` on a thread now; the returned function joins it and returns or raises."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as exc:
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def join() -> Any:
+        thread.join(30)
+        assert outcome, "helper thread did not finish"
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+    return join
+
+
+def test_buffers_beyond_iov_max_of_mixed_sizes_cross_tcp_exactly(
+    tcp_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    client, server = tcp_pair
+    rng = random.Random(3)
+    count = 3 * native.IOV_MAX + 7
+    sizes = [rng.choice([0, 1, 64, 1000, 70_000]) for _ in range(count)]
+    sources = [os.urandom(size) for size in sizes]
+    targets = [bytearray(size) for size in sizes]
+    join = _in_thread(lambda: native.send_all(client, sources, time.monotonic() + 30))
+    spans = [(0, count // 2), (count // 2, count)]
+    crcs = native.recv_into_all(server, targets, time.monotonic() + 30, crc_spans=spans)
+    assert join() == sum(sizes)
+    assert targets == [bytearray(s) for s in sources]
+    assert crcs == [_crc(b"".join(sources[a:b])) for a, b in spans]
+
+
+def test_a_large_payload_over_nonblocking_sockets_with_a_timeout_set() -> None:
+    left, right = socket.socketpair()
+    with left, right:
+        # settimeout makes the sockets non-blocking underneath: EAGAIN paths, then poll().
+        left.settimeout(30)
+        right.settimeout(30)
+        payload = np.random.default_rng(4).bytes(48 << 20)
+        target = np.empty(48 << 20, dtype=np.uint8)
+        views = [memoryview(payload)[i : i + (4 << 20)] for i in range(0, 48 << 20, 4 << 20)]
+        outs = [target[i : i + (4 << 20)] for i in range(0, 48 << 20, 4 << 20)]
+        join = _in_thread(lambda: native.send_all(left.fileno(), views, None))
+        crcs = native.recv_into_all(right.fileno(), outs, None, crc_spans=[(0, 12)])
+        assert join() == 48 << 20
+        assert target.tobytes() == payload
+        assert crcs == [_crc(payload)]
+
+
+def test_receives_resume_across_a_peer_that_sends_in_dribbles(
+    tcp_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    client, server = tcp_pair
+    payload = os.urandom(10_007)
+
+    def dribble() -> None:
+        for i in range(0, len(payload), 997):
+            client.sendall(payload[i : i + 997])
+            time.sleep(0.005)
+
+    join = _in_thread(dribble)
+    targets = [bytearray(3), bytearray(5000), bytearray(0), bytearray(5004)]
+    [crc] = native.recv_into_all(server, targets, time.monotonic() + 30, crc_spans=[(1, 4)])
+    join()
+    assert b"".join(targets) == payload
+    assert crc == _crc(payload[3:])
+
+
+def test_recv_past_the_deadline_raises_timeout_error_saying_what_arrived(
+    tcp_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    client, server = tcp_pair
+    client.sendall(b"x" * 10)
+    with pytest.raises(TimeoutError, match="10 received"):
+        native.recv_into_all(server, [bytearray(100)], time.monotonic() + 0.2)
+
+
+def test_send_to_a_peer_that_stops_reading_raises_timeout_error(
+    tcp_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    client, _server = tcp_pair
+    big = bytes(256 << 20)  # far more than both socket buffers hold
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="while sending") as caught:
+        native.send_all(client, [big], time.monotonic() + 0.3)
+    print(f"timed out after {time.monotonic() - started:.3f} s: {caught.value}")
+
+
+def test_a_deadline_already_past_still_raises_only_when_it_would_wait(
+    tcp_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    client, server = tcp_pair
+    assert native.send_all(client, [b"abc"], time.monotonic() - 1) == 3
+    out = bytearray(3)
+    native.recv_into_all(server, [out], 0.0)
+    assert out == b"abc"
+    with pytest.raises(TimeoutError):
+        native.recv_into_all(server, [out], 0.0)
+
+
+def test_eof_raises_peer_closed_with_the_bytes_received(
+    tcp_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    client, server = tcp_pair
+    client.sendall(b"y" * 1234)
+    client.shutdown(socket.SHUT_WR)
+    targets = [bytearray(1000), bytearray(1000)]
+    with pytest.raises(native.PeerClosed) as caught:
+        native.recv_into_all(server, targets, time.monotonic() + 30)
+    assert isinstance(caught.value, ConnectionError)
+    assert caught.value.received == 1234
+    assert targets[0] == b"y" * 1000
+    assert targets[1][:234] == b"y" * 234
+
+
+def test_a_reset_peer_raises_connection_reset_error(
+    tcp_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    client, server = tcp_pair
+    # Linger 0: close() sends RST instead of FIN.
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    client.close()
+    with pytest.raises(ConnectionResetError, match="recv_into_all"):
+        native.recv_into_all(server, [bytearray(10)], time.monotonic() + 30)
+    with pytest.raises(ConnectionError):
+        native.send_all(server, [b"z" * 1_000_000], time.monotonic() + 30)
+
+
+def test_other_failures_are_os_errors_with_their_errno() -> None:
+    read_end, write_end = os.pipe()
+    try:
+        with pytest.raises(OSError, match="send_all") as caught:
+            native.send_all(write_end, [b"not a socket"], None)
+        assert caught.value.errno == 88  # ENOTSOCK
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    closed = socket.socket()
+    closed.close()
+    with pytest.raises(ValueError, match="negative"):
+        native.recv_into_all(closed, [bytearray(1)], None)
+
+
+def test_recv_into_a_read_only_buffer_is_refused_before_receiving(
+    tcp_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    client, server = tcp_pair
+    client.sendall(b"abc")
+    with pytest.raises(BufferError, match="buffer 1"):
+        native.recv_into_all(server, [bytearray(1), b"xx"], None)
+    rest = bytearray(3)
+    native.recv_into_all(server, [rest], time.monotonic() + 30)
+    assert rest == b"abc"
+
+
+# -- exchange: a request, its reply with a status byte per payload, the accepted payloads --
+
+_HEAD = struct.Struct("<4sI")  # magic, count
+
+
+def _serve_once(sock: socket.socket, statuses: bytes, payloads: list[bytes]) -> None:
+    """A peer in the tcp transport's shape: read the request, reply head+statuses, payloads."""
+    request = bytearray(_HEAD.size + len(statuses))
+    native.recv_into_all(sock, [request], time.monotonic() + 30)
+    accepted = [p for p, s in zip(payloads, statuses, strict=True) if s == 0]
+    native.send_all(sock, [_HEAD.pack(b"KVFT", len(statuses)), statuses, *accepted], None)
+
+
+def test_exchange_fills_only_the_payloads_the_reply_accepts(
+    tcp_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    client, server = tcp_pair
+    count = native.IOV_MAX + 50
+    rng = random.Random(5)
+    payloads = [os.urandom(rng.choice([1, 64, 5000])) for _ in range(count)]
+    statuses = bytes(rng.choice([0, 0, 0, 2]) for _ in range(count))
+    join = _in_thread(lambda: _serve_once(server, statuses, payloads))
+    reply = bytearray(_HEAD.size + count)
+    targets = [bytearray(b"\xee" * len(p)) for p in payloads]
+    request = [_HEAD.pack(b"KVFT", count), bytes(count)]
+    spans = [(0, 10), (10, count)]
+    crcs = native.exchange(
+        client, request, reply, targets, time.monotonic() + 30, status_offset=8, crc_spans=spans
+    )
+    join()
+    assert reply == _HEAD.pack(b"KVFT", count) + statuses
+    for target, payload, status in zip(targets, payloads, statuses, strict=True):
+        assert target == (payload if status == 0 else b"\xee" * len(payload))
+    expected = [
+        _crc(b"".join(p for p, s in zip(payloads[a:b], statuses[a:b], strict=True) if s == 0))
+        for a, b in spans
+    ]
+    assert crcs == expected
+
+
+def test_exchange_reports_a_short_error_reply_then_close_as_peer_closed(
+    tcp_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    client, server = tcp_pair
+
+    def refuse() -> None:
+        native.recv_into_all(server, [bytearray(4)], time.monotonic() + 30)
+        server.sendall(b"ERR!\x03\x00\x00\x00")
+        server.shutdown(socket.SHUT_WR)
+
+    join = _in_thread(refuse)
+    reply = bytearray(8 + 4)
+    with pytest.raises(native.PeerClosed) as caught:
+        native.exchange(client, [b"ask!"], reply, [bytearray(4)] * 4, None, status_offset=8)
+    join()
+    assert caught.value.received == 8
+    assert reply[:8] == b"ERR!\x03\x00\x00\x00"
+
+
+def test_exchange_refuses_a_reply_without_a_status_byte_per_payload() -> None:
+    left, right = socket.socketpair()
+    with left, right:
+        with pytest.raises(ValueError, match="no status byte"):
+            native.exchange(left, [b"x"], bytearray(10), [bytearray(1)] * 3, None, status_offset=8)
+        # Nothing was sent: the check comes first.
+        right.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            right.recv(1)
+
+
+# -- the GIL ------------------------------------------------------------------------------
+
+
+class _BusyThread:
+    """A pure-Python counting loop (an engine's scheduler or event loop, standing in)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop:
+            self.count += 1
+
+    def __enter__(self) -> _BusyThread:
+        self._thread.start()
+        while self.count == 0:
+            time.sleep(0.001)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop = True
+        self._thread.join()
+
+
+def test_a_busy_thread_keeps_counting_while_a_large_crc_batch_runs() -> None:
+    piece = memoryview(DATA)
+    values = [[piece] * 4 for _ in range(128)]  # 1 GiB of CRC work, 512 pieces
+    with _BusyThread() as busy:
+        before_count, before_gil = busy.count, native.gil_reacquisitions()
+        started = time.perf_counter()
+        crcs = native.crc32c_many(values)
+        elapsed = time.perf_counter() - started
+        after_count, after_gil = busy.count, native.gil_reacquisitions()
+    print(f"1 GiB in {elapsed * 1e3:.1f} ms; the busy thread counted {after_count - before_count}")
+    assert after_count > before_count
+    assert after_gil - before_gil == 1  # one return for 512 pieces
+    assert crcs == [_crc(DATA * 4)] * 128
+
+
+def test_a_busy_thread_keeps_counting_while_a_large_receive_runs(
+    tcp_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    client, server = tcp_pair
+    chunk = 1 << 20
+    payload = memoryview(np.random.default_rng(6).bytes(chunk * 64))
+    sources = [payload[i : i + chunk] for i in range(0, payload.nbytes, chunk)]
+    targets = [bytearray(chunk) for _ in range(64)]
+    with _BusyThread() as busy:
+        join = _in_thread(lambda: native.send_all(client, sources, time.monotonic() + 60))
+        before_count, before_gil = busy.count, native.gil_reacquisitions()
+        crcs = native.recv_into_all(
+            server, targets, time.monotonic() + 60, crc_spans=[(i, i + 1) for i in range(64)]
+        )
+        after_count, after_gil = busy.count, native.gil_reacquisitions()
+        join()
+    assert after_count > before_count
+    assert after_gil - before_gil == 1  # one return for 64 buffers and many receives
+    assert b"".join(targets) == payload
+    assert crcs == [_crc(s) for s in sources]
+
+
+@pytest.mark.parametrize(
+    ("call", "returns"),
+    [
+        (lambda: native.crc32c_many([[DATA[:4096]] * 4] * 64), 1),
+        (lambda: native.crc32c_many([DATA[:1000]] * 8), 0),
+        (lambda: native.crc32c(DATA), 1),
+        (lambda: native.crc32c(DATA[:1000]), 0),
+        (lambda: native.copy_many([(bytearray(1 << 20), DATA[: 1 << 20])] * 64), 1),
+        (lambda: native.copy_many([(bytearray(100), DATA[:100])] * 8, [(0, 8)]), 0),
+    ],
+    ids=["crc-64x4-pieces", "crc-small", "crc-one-large", "crc-one-small", "copy-64", "copy-small"],
+)
+def test_a_batch_takes_the_gil_back_once_and_a_small_one_keeps_it(
+    call: Callable[[], object], returns: int
+) -> None:
+    before = native.gil_reacquisitions()
+    call()
+    assert native.gil_reacquisitions() - before == returns
+
+
+def test_an_exchange_takes_the_gil_back_once(
+    tcp_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    client, server = tcp_pair
+    payloads = [os.urandom(100_000) for _ in range(300)]
+    join = _in_thread(lambda: _serve_once(server, bytes(300), payloads))
+    targets = [bytearray(100_000) for _ in range(300)]
+    before = native.gil_reacquisitions()
+    native.exchange(
+        client,
+        [_HEAD.pack(b"KVFT", 300), bytes(300)],
+        bytearray(_HEAD.size + 300),
+        targets,
+        time.monotonic() + 30,
+        status_offset=_HEAD.size,
+    )
+    assert native.gil_reacquisitions() - before == 1
+    join()
+    assert targets == [bytearray(p) for p in payloads]
+
+
+def test_gil_reacquisitions_are_counted_per_thread() -> None:
+    before = native.gil_reacquisitions()
+    _in_thread(lambda: native.crc32c(DATA))()
+    assert native.gil_reacquisitions() == before
+
+
+def test_a_signal_during_a_wait_runs_its_handler_and_the_receive_resumes() -> None:
+    import signal
+
+    left, right = socket.socketpair()
+    fired: list[int] = []
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: fired.append(signum))
+    try:
+        with left, right:
+            join = _in_thread(lambda: (time.sleep(0.3), left.sendall(b"late"))[1])
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+            before = native.gil_reacquisitions()
+            out = bytearray(4)
+            native.recv_into_all(right, [out], time.monotonic() + 30)
+            join()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert out == b"late"
+    assert fired == [signal.SIGALRM]
+    # The final return, plus one to run the handler.
+    assert native.gil_reacquisitions() - before == 2
+
+
+def test_a_signal_handler_that_raises_ends_the_wait_with_its_exception() -> None:
+    import signal
+
+    class Stop(Exception):
+        pass
+
+    def stop(signum: int, frame: object) -> None:
+        raise Stop
+
+    left, right = socket.socketpair()
+    previous = signal.signal(signal.SIGALRM, stop)
+    try:
+        with left, right:
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+            with pytest.raises(Stop):
+                native.recv_into_all(right, [bytearray(1)], time.monotonic() + 30)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

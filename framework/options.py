@@ -79,6 +79,8 @@ class EmbeddedOptions(ClientOptions):
 
     capacity: int = 256 << 20
     backend: str = "dram"
+    path: str | None = None
+    """Directory of a backend that keeps its memory in files (``backend=file``)."""
     index: str = "memory"
     region_size: int = 1 << 30
     lease: float = 30.0
@@ -106,6 +108,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "transport": _name,
     "capacity": parse_size,
     "backend": _name,
+    "path": str,
     "index": _name,
     "region_size": parse_size,
     "lease": parse_duration,

@@ -104,6 +104,9 @@ class AsyncStore:
     def controller_restarted(self, epoch: int) -> None:
         self.store.controller_restarted(epoch)
 
+    def membership_changed(self, generation: int) -> None:
+        self.store.membership_changed(generation)
+
     async def close(self) -> None:
         """Close the store once the calls in flight are done (off the event loop)."""
         await asyncio.to_thread(self._pool.shutdown, wait=True)

@@ -4,6 +4,10 @@ The default for the demo and for unit tests: no sockets. The node's memory is re
 shareable memory and the client reads it through a real transport (``shm`` unless told
 otherwise), so embedded mode runs the same read, validation and dedup paths as a
 distributed deployment. Clients connecting with the same NAME share one index and node.
+
+With the ``file`` backend (``embedded://?backend=file&path=DIR``) the node's memory outlives
+the process: a store opened again on the same directory, by this process or a new one,
+scans the files and finds every record that validates.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import attrs
 
 from kvfabric._client.record_io import RecordIO
 from kvfabric._client.store import Store
+from kvfabric._node.capacity import check_capacity
 from kvfabric._node.node import DataNode
 from kvfabric.errors import ConfigError
 from kvfabric.options import EmbeddedOptions
@@ -29,6 +34,7 @@ __all__ = ["open_embedded"]
 _SERVICE_OPTIONS = (
     "capacity",
     "backend",
+    "path",
     "index",
     "region_size",
     "lease",
@@ -99,11 +105,19 @@ def _start(
         headroom=options.headroom,
         options=settings.claim(index_cls),
     )
+    region_size = min(options.region_size, options.capacity)
+    check_capacity(
+        options.capacity,
+        region_size,
+        plugins.backend(options.backend),
+        option="capacity",
+        region_option="region_size",
+    )
     node = DataNode.create(
         backend=options.backend,
         transports=[transport_name],
         backend_config=BackendConfig(
-            capacity=options.capacity, region_size=min(options.region_size, options.capacity)
+            capacity=options.capacity, region_size=region_size, path=options.path
         ),
         transport_config=config,
         plugins=plugins,
@@ -111,7 +125,12 @@ def _start(
     )
     try:
         index = index_cls.create(index_config)
-        index.register_node(node.info())
+        # A file-backed node (or any memory that outlived a store) already holds records.
+        scan = node.scan()
+        registered = index.register_node(node.info(restoring=bool(scan.records)))
+        if scan.records:
+            index.restore(registered.id, scan.records)
+            index.restore_done(registered.id)
     except BaseException:
         node.close()
         raise

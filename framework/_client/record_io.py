@@ -55,6 +55,9 @@ class ReadReport:
     """Payload bytes that landed (validated or not)."""
     failed_nodes: int
     """Nodes that could not be used at all (unreachable, timed out): their records are None."""
+    refused: int = 0
+    """Records a node or transport refused (unknown region, bad rkey, out of bounds): the
+    route may be stale (the node restarted), so the store relearns the nodes."""
 
 
 @attrs.frozen(kw_only=True)
@@ -136,6 +139,7 @@ class RecordIO:
         per_node = _plan_reads(keys, descriptors, into)
         if not per_node:
             return ReadReport(values=values, invalid=[], payload_bytes=0, failed_nodes=0)
+        refused = 0
         outcomes = self._per_node(
             {n: functools.partial(self._read_node, n, items) for n, items in per_node.items()}
         )
@@ -152,10 +156,16 @@ class RecordIO:
             for item in items:
                 if item.result is not None:
                     values[item.index] = item.result
-                elif not item.refused:
+                elif item.refused:
+                    refused += 1
+                else:
                     invalid.append(item.index)
         return ReadReport(
-            values=values, invalid=invalid, payload_bytes=landed, failed_nodes=failed_nodes
+            values=values,
+            invalid=invalid,
+            payload_bytes=landed,
+            failed_nodes=failed_nodes,
+            refused=refused,
         )
 
     def write(

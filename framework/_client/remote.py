@@ -57,6 +57,7 @@ def open_remote(options: RemoteOptions, host: str, port: int, plugins: PluginMan
             client.close()
         raise
     control.on_epoch_change = store.controller_restarted
+    control.on_membership_change = store.membership_changed
     return store
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -61,6 +62,9 @@ class PutOutcome(enum.Enum):
     """The write or the controller failed; nothing was published."""
 
 
+# After a transport failure, nodes are relearned at most this often.
+_RELEARN_INTERVAL = 1.0
+
 _OUTCOME_OF = {
     AllocationKind.EXISTS: PutOutcome.DEDUPLICATED,
     AllocationKind.IN_FLIGHT: PutOutcome.IN_FLIGHT,
@@ -96,6 +100,7 @@ class Store:
         self._lock = threading.Lock()
         self._closed = False
         self._membership_stale = True
+        self._relearned_at = 0.0
         # A controller that is down now is not an error: reads miss until it is back.
         self._refresh_membership()
 
@@ -188,6 +193,10 @@ class Store:
             for i, d in zip(missing, self._resolve([keys[i] for i in missing]), strict=True):
                 descriptors[i] = d
         results, invalid = self._read(keys, descriptors, into)
+        # Records the index still publishes that failed validation: torn, or overwritten by
+        # a writer that outlived its lease. Reported, so the index unpublishes them and the
+        # next put of the key stores it again (no key stays present but unreadable).
+        broken = [descriptors[i] for i in invalid if not prefetched[i]]
         # A prefetched descriptor is only a shortcut: if it led to an invalid record, the
         # key may have moved, so ask the index once more for those keys.
         retry = [i for i in invalid if prefetched[i]]
@@ -198,11 +207,15 @@ class Store:
                 old = descriptors[i]
                 if d is not None and old is not None and d.version != old.version:
                     again[i] = d
+                elif d is not None:
+                    broken.append(d)
             if any(d is not None for d in again):
-                second, _ = self._read(keys, again, into)
+                second, still_invalid = self._read(keys, again, into)
                 for i, value in enumerate(second):
                     if value is not None:
                         results[i] = value
+                broken += [again[i] for i in still_invalid]
+        self._report_invalid([d for d in broken if d is not None])
         hits = sum(r is not None for r in results)
         self._counters.update(get_hits=hits, get_misses=len(keys) - hits)
         return results
@@ -313,6 +326,11 @@ class Store:
         self._prefetch.clear()
         self._membership_stale = True
 
+    def membership_changed(self, generation: int) -> None:
+        """A data node joined, left, restarted or was replaced: relearn before the next I/O."""
+        log.info("kvfabric data nodes changed (generation %d): relearning them", generation)
+        self._membership_stale = True
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -359,6 +377,24 @@ class Store:
         self._records.set_nodes(nodes)
         return True
 
+    def _report_invalid(self, descriptors: Sequence[Descriptor]) -> None:
+        """Tell the index which published records failed validation (one call, rare)."""
+        if not descriptors:
+            return
+        self._counters.add("invalid_reported", len(descriptors))
+        self._ask(self._index.drop_invalid, [GrantRef.of(d) for d in descriptors])
+
+    def _relearn_after_failure(self) -> None:
+        """A node failed or refused us: its route may be stale (it restarted elsewhere).
+
+        Relearn the nodes before the next I/O, at most once per ``retry_interval``-ish
+        second, so a node that is simply down does not cost a round trip per call.
+        """
+        now = time.monotonic()
+        if now - self._relearned_at >= _RELEARN_INTERVAL:
+            self._relearned_at = now
+            self._membership_stale = True
+
     def _learn_nodes(self, nodes: set[int]) -> None:
         """Make sure the record I/O layer knows ``nodes`` before they are read or written."""
         if not nodes or (not self._membership_stale and self._records.reaches(nodes)):
@@ -379,7 +415,10 @@ class Store:
             payload_bytes_read=report.payload_bytes,
             validation_failures=len(report.invalid),
             transport_failures=report.failed_nodes,
+            refused_reads=report.refused,
         )
+        if report.failed_nodes or report.refused:
+            self._relearn_after_failure()
         return report.values, report.invalid
 
     def _write(
@@ -391,6 +430,8 @@ class Store:
         self._learn_nodes({d.node for _, d in granted})
         report = self._records.write([d for _, d in granted], [pieces[i] for i, _ in granted])
         self._counters.add("transport_failures", report.failed_nodes)
+        if report.failed_nodes or any(crc is None for crc in report.crcs):
+            self._relearn_after_failure()
         written = [(g, crc) for g, crc in zip(granted, report.crcs, strict=True) if crc is not None]
         failed = [g for g, crc in zip(granted, report.crcs, strict=True) if crc is None]
         if written:

@@ -57,6 +57,7 @@ class ControlClient:
         retry_interval: float = 1.0,
         credentials: Credentials | None = None,
         on_epoch_change: Callable[[int], None] | None = None,
+        on_membership_change: Callable[[int], None] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
@@ -64,6 +65,8 @@ class ControlClient:
         self.epoch = 0
         self._credentials = credentials
         self.on_epoch_change = on_epoch_change
+        self.membership = 0
+        self.on_membership_change = on_membership_change
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._idle: list[zmq.Socket[bytes]] = []
         self._lock = threading.Lock()
@@ -146,6 +149,7 @@ class ControlClient:
         self._checkin(sock)
         self._down_until = 0.0
         self._note_epoch(header.epoch)
+        self._note_membership(header.membership)
         if header.type == MsgType.ERROR:
             code, message = read_error(reader)
             known: ErrorCode | int = code
@@ -162,6 +166,13 @@ class ControlClient:
             previous, self.epoch = self.epoch, epoch
             if previous and self.on_epoch_change is not None:
                 self.on_epoch_change(epoch)
+
+    def _note_membership(self, membership: int) -> None:
+        # Only a change matters (a new controller starts counting again; its epoch says so).
+        if membership != self.membership:
+            previous, self.membership = self.membership, membership
+            if previous and self.on_membership_change is not None:
+                self.on_membership_change(membership)
 
     @staticmethod
     def _remaining_ms(deadline: float) -> int:

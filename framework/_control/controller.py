@@ -70,10 +70,16 @@ class Controller:
         self.endpoint = ""
         self._credentials = credentials
         self._last_seen: dict[int, float] = {}
+        # Grows whenever a node registers or leaves; every reply carries it, so clients
+        # relearn the nodes (a new incarnation, a replaced node) within one round trip.
+        self._membership = 0
         self._node_stats: dict[int, dict[str, int]] = {}
         self._counters: Counter[str] = Counter()
         self._stopping = threading.Event()
-        self._handlers: dict[int, Callable[[Reader], bytes]] = {
+        # A handler decodes the request and returns what applying it does: the frame is
+        # checked whole (no trailing bytes) between the two, so a frame refused for any
+        # reason has no effect.
+        self._handlers: dict[int, Callable[[Reader], Callable[[], bytes]]] = {
             MsgType.NODES: self._nodes,
             MsgType.LOOKUP_PREFIX: self._lookup_prefix,
             MsgType.RESOLVE: self._resolve,
@@ -86,6 +92,9 @@ class Controller:
             MsgType.REGISTER_NODE: self._register_node,
             MsgType.HEARTBEAT: self._heartbeat,
             MsgType.DEREGISTER_NODE: self._deregister_node,
+            MsgType.RESTORE: self._restore,
+            MsgType.RESTORE_DONE: self._restore_done,
+            MsgType.REPORT_INVALID: self._report_invalid,
         }
 
     # -- serving ---------------------------------------------------------------------------
@@ -162,11 +171,12 @@ class Controller:
             handler = self._handlers.get(header.type)
             if handler is None:
                 raise _Refusal(ErrorCode.UNKNOWN_TYPE, f"unknown message type {header.type}")
-            body = handler(reader)
+            apply = handler(reader)
             reader.end()
+            body = apply()
             self._counters["rpcs" if header.type in _CLIENT_TYPES else "node_rpcs"] += 1
             self._counters[f"rpc_{MsgType(header.type).name.lower()}"] += 1
-            return p.encode(header.type | REPLY_BIT, request_id, body, self.epoch)
+            return p.encode(header.type | REPLY_BIT, request_id, body, self.epoch, self._membership)
         except _Refusal as exc:
             self._counters["refused"] += 1
             return self._error(request_id, exc.code, str(exc))
@@ -180,7 +190,9 @@ class Controller:
             return self._error(request_id, ErrorCode.INTERNAL, f"internal error: {exc}")
 
     def _error(self, request_id: int, code: ErrorCode, message: str) -> bytes:
-        return p.encode(MsgType.ERROR, request_id, p.write_error(code, message), self.epoch)
+        return p.encode(
+            MsgType.ERROR, request_id, p.write_error(code, message), self.epoch, self._membership
+        )
 
     def _maintain(self) -> None:
         self.index.tick()
@@ -198,66 +210,145 @@ class Controller:
 
     def _drop_node(self, node: int) -> int:
         dropped = self.index.remove_node(node)
+        self._membership += 1
         self._last_seen.pop(node, None)
         self._node_stats.pop(node, None)
         return dropped
 
-    # -- handlers --------------------------------------------------------------------------
+    # -- handlers ----------------------------------------------------------------------------
 
-    def _nodes(self, r: Reader) -> bytes:
-        return p.write_nodes(self.index.nodes())
+    def _nodes(self, r: Reader) -> Callable[[], bytes]:
+        return lambda: p.write_nodes(self.index.nodes())
 
-    def _lookup_prefix(self, r: Reader) -> bytes:
-        return p.write_descriptors(self.index.lookup_prefix(p.read_keys(r)))
+    def _lookup_prefix(self, r: Reader) -> Callable[[], bytes]:
+        keys = p.read_keys(r)
+        return lambda: p.write_descriptors(self.index.lookup_prefix(keys))
 
-    def _resolve(self, r: Reader) -> bytes:
-        return p.write_optional_descriptors(self.index.resolve(p.read_keys(r)))
+    def _resolve(self, r: Reader) -> Callable[[], bytes]:
+        keys = p.read_keys(r)
+        return lambda: p.write_optional_descriptors(self.index.resolve(keys))
 
-    def _exists(self, r: Reader) -> bytes:
-        return p.write_flags(self.index.exists(p.read_keys(r)))
+    def _exists(self, r: Reader) -> Callable[[], bytes]:
+        keys = p.read_keys(r)
+        return lambda: p.write_flags(self.index.exists(keys))
 
-    def _allocate(self, r: Reader) -> bytes:
-        return p.write_allocate_result(self.index.allocate(p.read_allocation_requests(r)))
+    def _allocate(self, r: Reader) -> Callable[[], bytes]:
+        requests = p.read_allocation_requests(r)
+        return lambda: p.write_allocate_result(self.index.allocate(requests))
 
-    def _publish(self, r: Reader) -> bytes:
-        return p.write_flags(self.index.publish(p.read_grants(r)))
+    def _publish(self, r: Reader) -> Callable[[], bytes]:
+        grants = p.read_grants(r)
+        return lambda: p.write_flags(self.index.publish(grants))
 
-    def _abort(self, r: Reader) -> bytes:
-        self.index.abort(p.read_grants(r))
-        return b""
+    def _abort(self, r: Reader) -> Callable[[], bytes]:
+        grants = p.read_grants(r)
 
-    def _unpublish(self, r: Reader) -> bytes:
-        return Writer().u32(self.index.unpublish(p.read_keys(r))).getvalue()
+        def apply() -> bytes:
+            self.index.abort(grants)
+            return b""
 
-    def _register_node(self, r: Reader) -> bytes:
-        info = self.index.register_node(NodeInfo.read_from(r))
-        self._last_seen[info.id] = time.monotonic()
-        log.info("node %d (%s) registered: %d regions", info.id, info.name, len(info.regions))
-        return info.to_bytes()
+        return apply
 
-    def _heartbeat(self, r: Reader) -> bytes:
-        node = r.u32()
-        counters = p.read_counters(r)
-        if node not in self._last_seen:
-            raise _Refusal(ErrorCode.UNKNOWN_NODE, f"node {node} is not registered")
-        self._last_seen[node] = time.monotonic()
-        self._node_stats[node] = counters
-        return b""
+    def _unpublish(self, r: Reader) -> Callable[[], bytes]:
+        keys = p.read_keys(r)
+        return lambda: Writer().u32(self.index.unpublish(keys)).getvalue()
 
-    def _deregister_node(self, r: Reader) -> bytes:
-        node, incarnation = p.read_deregister(r)
-        r.end()  # validated whole before it has an effect
+    def _report_invalid(self, r: Reader) -> Callable[[], bytes]:
+        records = p.read_grants(r)
+        return lambda: Writer().u32(self.index.drop_invalid(records)).getvalue()
+
+    def _register_node(self, r: Reader) -> Callable[[], bytes]:
+        offered = NodeInfo.read_from(r)
+
+        def apply() -> bytes:
+            self._refuse_takeover(offered)
+            info = self.index.register_node(offered)
+            self._last_seen[info.id] = time.monotonic()
+            self._membership += 1
+            log.info(
+                "node %d (%s) registered: incarnation %d, %d regions%s",
+                info.id,
+                info.name,
+                info.incarnation,
+                len(info.regions),
+                ", restoring its records" if info.restoring else "",
+            )
+            return info.to_bytes()
+
+        return apply
+
+    def _refuse_takeover(self, offered: NodeInfo) -> None:
+        """A live node's name is its own: another process may take it only once it is gone."""
+        known = next((n for n in self.index.nodes() if n.name == offered.name), None)
+        if known is None or known.instance == offered.instance or known.id not in self._last_seen:
+            return
+        silent = time.monotonic() - self._last_seen[known.id]
+        if silent <= self.node_timeout:
+            self._counters["takeovers_refused"] += 1
+            raise _Refusal(
+                ErrorCode.NAME_IN_USE,
+                f"node name {offered.name!r} belongs to a live node (heard from {silent:.1f}s "
+                f"ago); it is released {self.node_timeout:g}s after that node falls silent",
+            )
+
+    def _registration(self, node: int, incarnation: int) -> NodeInfo:
         known = next((n for n in self.index.nodes() if n.id == node), None)
         if known is None or node not in self._last_seen or known.incarnation != incarnation:
             raise _Refusal(
                 ErrorCode.UNKNOWN_NODE, f"node {node} incarnation {incarnation} is not registered"
             )
-        dropped = self._drop_node(node)
-        self._counters["nodes_deregistered"] += 1
-        log.info("node %d (%s) deregistered: dropped with %d entries", node, known.name, dropped)
-        return b""
+        return known
 
-    def _stats(self, r: Reader) -> bytes:
+    def _heartbeat(self, r: Reader) -> Callable[[], bytes]:
+        node, incarnation, counters = p.read_heartbeat(r)
+
+        def apply() -> bytes:
+            self._registration(node, incarnation)
+            self._last_seen[node] = time.monotonic()
+            self._node_stats[node] = counters
+            return b""
+
+        return apply
+
+    def _restore(self, r: Reader) -> Callable[[], bytes]:
+        node, incarnation, records = p.read_restore(r)
+
+        def apply() -> bytes:
+            self._registration(node, incarnation)
+            self._last_seen[node] = time.monotonic()
+            return Writer().u32(self.index.restore(node, records)).getvalue()
+
+        return apply
+
+    def _restore_done(self, r: Reader) -> Callable[[], bytes]:
+        node, incarnation = p.read_node_ref(r)
+
+        def apply() -> bytes:
+            known = self._registration(node, incarnation)
+            self.index.restore_done(node)
+            log.info("node %d (%s) restored its records", node, known.name)
+            return b""
+
+        return apply
+
+    def _deregister_node(self, r: Reader) -> Callable[[], bytes]:
+        node, incarnation = p.read_deregister(r)
+
+        def apply() -> bytes:
+            known = self._registration(node, incarnation)
+            dropped = self._drop_node(node)
+            self._counters["nodes_deregistered"] += 1
+            log.info(
+                "node %d (%s) deregistered: dropped with %d entries", node, known.name, dropped
+            )
+            return b""
+
+        return apply
+
+    def _stats(self, r: Reader) -> Callable[[], bytes]:
+        return self._stats_body
+
+    def _stats_body(self) -> bytes:
         scopes: dict[str, dict[str, int]] = {
             "controller": {
                 "rpcs": 0,

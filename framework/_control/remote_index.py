@@ -64,6 +64,12 @@ class RemoteIndex(Index):
         r.end()
         return removed
 
+    def drop_invalid(self, records: Sequence[GrantRef]) -> int:
+        r = self.client.call(MsgType.REPORT_INVALID, p.write_grants(records))
+        dropped = r.u32()
+        r.end()
+        return dropped
+
     def stats(self) -> dict[str, int]:
         return fetch_stats(self.client)["index"]
 

@@ -1,7 +1,11 @@
 """The node agent: keeps a data node known to the controller.
 
 It registers the node (regions, rkeys, transport addresses), then heartbeats with the
-node's counters. When the controller answers "unknown node" or reports a new epoch (it was
+node's counters. Before each registration it scans the node's memory for the records it
+already holds (a ``file`` node that restarted, or any node whose controller restarted and
+lost its index); if it finds some, it registers as ``restoring`` and reports them in
+batches, so the controller rebuilds its entries from the nodes and the cache survives
+the restart. When the controller answers "unknown node" or reports a new epoch (it was
 restarted, or dropped us after missed heartbeats) the agent registers again; while the
 controller is unreachable it keeps trying. The node serves reads all the while: data
 transfer never depends on the controller being up.
@@ -15,16 +19,21 @@ from __future__ import annotations
 import logging
 import threading
 
-from kvfabric._control.client import ControlClient, UnknownNodeError
+from kvfabric._control.client import ControlClient, ControllerRefusedError, UnknownNodeError
 from kvfabric._control.security import Credentials
 from kvfabric._node.node import DataNode
 from kvfabric._wire import protocol as p
-from kvfabric._wire.protocol import MsgType
+from kvfabric._wire.protocol import ErrorCode, MsgType
+from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ControllerUnavailableError, KvfabricError
-from kvfabric.spi.codec import Writer
 from kvfabric.spi.index import NodeInfo
+from kvfabric.spi.units import format_size
 
-__all__ = ["NodeAgent"]
+__all__ = ["RESTORE_BATCH", "NodeAgent"]
+
+RESTORE_BATCH = 8192
+"""Records per RESTORE frame (~620 KiB): a large restore never stalls the controller's loop
+for long, nor makes one huge frame."""
 
 log = logging.getLogger("kvfabric._node.node")
 
@@ -71,7 +80,7 @@ class NodeAgent:
                 if self.registered is None:
                     self._register()
                 else:
-                    self._beat(self.registered.id)
+                    self._beat(self.registered)
             except UnknownNodeError:
                 log.warning("controller forgot node %s: registering again", self.node.name)
                 self.registered = None
@@ -83,17 +92,59 @@ class NodeAgent:
             self._stop.wait(self.heartbeat)
 
     def _register(self) -> None:
-        r = self._client.call(MsgType.REGISTER_NODE, self.node.info().to_bytes())
+        scan = self.node.scan()
+        if scan.records or scan.torn:
+            log.info(
+                "found %d records in %s of memory in %.2fs (%d torn, dropped)",
+                len(scan.records),
+                format_size(scan.scanned_bytes),
+                scan.seconds,
+                scan.torn,
+            )
+        restoring = bool(scan.records)
+        try:
+            r = self._client.call(
+                MsgType.REGISTER_NODE, self.node.info(restoring=restoring).to_bytes()
+            )
+        except ControllerRefusedError as exc:
+            if exc.code != ErrorCode.NAME_IN_USE:
+                raise
+            log.warning("%s; waiting", exc)
+            return
         info = NodeInfo.read_from(r)
         r.end()
+        if restoring:
+            self._restore(info, scan.records)
         with self._changed:
             self.registered = info
             self._changed.notify_all()
-        log.info("registered as node %d with %s", info.id, self._client.endpoint)
+        log.info(
+            "registered as node %d (incarnation %d) with %s",
+            info.id,
+            info.incarnation,
+            self._client.endpoint,
+        )
 
-    def _beat(self, node_id: int) -> None:
-        body = Writer().u32(node_id).raw(p.write_counters(self.node.stats()).getvalue())
-        self._client.call(MsgType.HEARTBEAT, body.getvalue()).end()
+    def _restore(self, info: NodeInfo, records: list[Descriptor]) -> None:
+        """Report the records found, in frames of a bounded size, then say it is done."""
+        kept = 0
+        for start in range(0, len(records), RESTORE_BATCH):
+            batch = records[start : start + RESTORE_BATCH]
+            r = self._client.call(
+                MsgType.RESTORE, p.write_restore(info.id, info.incarnation, batch)
+            )
+            kept += r.u32()
+            r.end()
+        self._client.call(MsgType.RESTORE_DONE, p.write_node_ref(info.id, info.incarnation)).end()
+        log.info(
+            "restored %d of %d records (the rest: keys already stored elsewhere)",
+            kept,
+            len(records),
+        )
+
+    def _beat(self, node: NodeInfo) -> None:
+        body = p.write_heartbeat(node.id, node.incarnation, self.node.stats())
+        self._client.call(MsgType.HEARTBEAT, body).end()
 
     def stop(self, *, deregister: bool = True) -> None:
         """Stop heartbeating and, unless told not to, deregister the node.

@@ -4,20 +4,26 @@ Every message is one ZeroMQ frame: a fixed 24-byte header, then a type-specific 
 fixed-layout fields (``struct``; never pickle)::
 
     header  magic "KVFC" | version u16 | type u16 | request id u64 | epoch u64
+            | membership u64
     keys    count u32 | count x 32-byte key
     descs   count u32 | count x 76-byte descriptor
 
-A reply carries the request's type with :data:`REPLY_BIT` set, the request's id, and the
+A reply carries the request's type with :data:`REPLY_BIT` set, the request's id, the
 controller's *epoch* — a random number drawn when the controller starts, so a client can
-tell that the controller restarted (its node ids and descriptors are then stale). A request
+tell that the controller restarted (its node ids and descriptors are then stale) — and its
+*membership* generation, which grows whenever a data node registers or leaves, so every
+client learns within one reply that a node restarted (a new incarnation) or was replaced. A request
 the controller cannot serve gets an ``ERROR`` reply with an :class:`ErrorCode` and a message;
 the controller never drops a well-addressed frame silently and never stops serving because
 of one. Codes travel as fields: a decoding failure is a :class:`FrameError` carrying its
 code, and the reply's code is what clients branch on, never the message text.
 
-A data node registers (``REGISTER_NODE``), heartbeats (``HEARTBEAT``) and, when it stops,
-deregisters (``DEREGISTER_NODE``: node id and the incarnation its registration was given,
-so a stale request never removes a newer registration of the same node).
+A data node registers (``REGISTER_NODE``), reports the records it already holds when it
+registers with ``restoring`` set (``RESTORE`` batches, then ``RESTORE_DONE``), heartbeats
+(``HEARTBEAT``) and, when it stops, deregisters (``DEREGISTER_NODE``). Each of these after
+the registration names the node's id and the incarnation its registration was given, so a
+stale request never acts on a newer registration of the same node. A client that found a
+published record invalid reports it (``REPORT_INVALID``) so the index unpublishes it.
 """
 
 from __future__ import annotations
@@ -54,14 +60,20 @@ __all__ = [
     "decode_header",
     "encode",
     "read_deregister",
+    "read_heartbeat",
+    "read_node_ref",
+    "read_restore",
     "write_deregister",
+    "write_heartbeat",
+    "write_node_ref",
+    "write_restore",
 ]
 
 MAGIC = b"KVFC"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 REPLY_BIT = 0x8000
 MAX_BATCH = 1 << 20
-HEADER = struct.Struct("<4sHHQQ")
+HEADER = struct.Struct("<4sHHQQQ")
 
 
 class MsgType(enum.IntEnum):
@@ -77,6 +89,9 @@ class MsgType(enum.IntEnum):
     REGISTER_NODE = 10
     HEARTBEAT = 11
     DEREGISTER_NODE = 12
+    RESTORE = 13
+    RESTORE_DONE = 14
+    REPORT_INVALID = 15
     ERROR = 0x7FFF
 
 
@@ -86,6 +101,7 @@ class ErrorCode(enum.IntEnum):
     BAD_VERSION = 3
     UNKNOWN_NODE = 4
     INTERNAL = 5
+    NAME_IN_USE = 6
 
 
 class FrameError(ProtocolError):
@@ -101,10 +117,13 @@ class Header:
     type: int
     request_id: int
     epoch: int = 0
+    membership: int = 0
 
 
-def encode(msg_type: int, request_id: int, body: bytes = b"", epoch: int = 0) -> bytes:
-    return HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, request_id, epoch) + body
+def encode(
+    msg_type: int, request_id: int, body: bytes = b"", epoch: int = 0, membership: int = 0
+) -> bytes:
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, request_id, epoch, membership) + body
 
 
 def decode_header(frame: bytes) -> tuple[Header, Reader]:
@@ -113,7 +132,7 @@ def decode_header(frame: bytes) -> tuple[Header, Reader]:
         raise FrameError(
             ErrorCode.BAD_FRAME, f"frame of {len(frame)} bytes is shorter than the header"
         )
-    magic, version, msg_type, request_id, epoch = HEADER.unpack_from(frame)
+    magic, version, msg_type, request_id, epoch, membership = HEADER.unpack_from(frame)
     if magic != MAGIC:
         raise FrameError(ErrorCode.BAD_FRAME, "bad magic: not a kvfabric control frame")
     if version != PROTOCOL_VERSION:
@@ -121,7 +140,7 @@ def decode_header(frame: bytes) -> tuple[Header, Reader]:
             ErrorCode.BAD_VERSION,
             f"protocol version {version}; this side speaks {PROTOCOL_VERSION}",
         )
-    return Header(msg_type, request_id, epoch), Reader(frame, HEADER.size)
+    return Header(msg_type, request_id, epoch, membership), Reader(frame, HEADER.size)
 
 
 # -- bodies --------------------------------------------------------------------------------
@@ -257,12 +276,39 @@ def read_counters(r: Reader) -> dict[str, int]:
 
 
 def write_deregister(node: int, incarnation: int) -> bytes:
-    return Writer().u32(node).u64(incarnation).getvalue()
+    return write_node_ref(node, incarnation)
 
 
 def read_deregister(r: Reader) -> tuple[int, int]:
     """(node id, incarnation) of a ``DEREGISTER_NODE`` request."""
+    return read_node_ref(r)
+
+
+def write_node_ref(node: int, incarnation: int) -> bytes:
+    """A registration of a node: its id and the incarnation that registration was given."""
+    return Writer().u32(node).u64(incarnation).getvalue()
+
+
+def read_node_ref(r: Reader) -> tuple[int, int]:
     return r.u32(), r.u64()
+
+
+def write_heartbeat(node: int, incarnation: int, counters: dict[str, int]) -> bytes:
+    return write_node_ref(node, incarnation) + write_counters(counters).getvalue()
+
+
+def read_heartbeat(r: Reader) -> tuple[int, int, dict[str, int]]:
+    node, incarnation = read_node_ref(r)
+    return node, incarnation, read_counters(r)
+
+
+def write_restore(node: int, incarnation: int, records: Sequence[Descriptor]) -> bytes:
+    return write_node_ref(node, incarnation) + write_descriptors(records)
+
+
+def read_restore(r: Reader) -> tuple[int, int, list[Descriptor]]:
+    node, incarnation = read_node_ref(r)
+    return node, incarnation, read_descriptors(r)
 
 
 def write_error(code: ErrorCode, message: str) -> bytes:

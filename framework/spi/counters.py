@@ -33,6 +33,8 @@ CLIENT_COUNTERS = (
     "deletes",
     "delete_failures",
     "validation_failures",
+    "invalid_reported",
+    "refused_reads",
     "transport_failures",
     "controller_unavailable",
     "controller_errors",

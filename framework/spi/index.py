@@ -194,6 +194,12 @@ class Index(abc.ABC):
         """Remove keys at once; their slots are retired, reused only after the grace period."""
 
     @abc.abstractmethod
+    def drop_invalid(self, records: Sequence[GrantRef]) -> int:
+        """A reader found these published records invalid (torn, overwritten by a late
+        writer): unpublish each whose published version still matches, so the next put of
+        its key stores it again; returns how many went."""
+
+    @abc.abstractmethod
     def stats(self) -> dict[str, int]:
         """Counters and gauges (entries, capacity, hits, evictions, ...)."""
 

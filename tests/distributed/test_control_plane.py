@@ -122,7 +122,7 @@ _BAD, _VERSION, _TYPE = ErrorCode.BAD_FRAME, ErrorCode.BAD_VERSION, ErrorCode.UN
     [
         ([b"garbage"], _BAD, "shorter than the header"),
         ([b"X" * 40], _BAD, "bad magic"),
-        ([struct.pack("<4sHHQQ", MAGIC, 99, 2, 7, 0)], _VERSION, "protocol version"),
+        ([struct.pack("<4sHHQQQ", MAGIC, 99, 2, 7, 0, 0)], _VERSION, "protocol version"),
         ([encode(1234, 7)], _TYPE, "unknown message type"),
         ([encode(MsgType.LOOKUP_PREFIX, 7, struct.pack("<I", 5) + b"k" * 10)], _BAD, "not fit"),
         ([encode(MsgType.LOOKUP_PREFIX, 7, struct.pack("<I", 10**9))], _BAD, "does not fit"),

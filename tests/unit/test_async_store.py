@@ -11,7 +11,14 @@ from kvfabric import AsyncStore, PutOutcome, Store
 from kvfabric.keys import chain_keys
 
 # Methods that only touch local memory stay plain calls; everything else is awaited.
-_LOCAL = {"prefetched", "remember", "stats", "records", "controller_restarted"}
+_LOCAL = {
+    "prefetched",
+    "remember",
+    "stats",
+    "records",
+    "controller_restarted",
+    "membership_changed",
+}
 
 
 def _keys(n: int) -> list[bytes]:

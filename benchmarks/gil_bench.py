@@ -1,0 +1,266 @@
+"""The data path's loops alone and beside a busy Python thread: per-piece Python vs native batches.
+
+    python benchmarks/gil_bench.py [--count 64] [--size 4MiB] [--seconds 1.0]
+
+A batch is ``count`` values of ``size`` bytes. Each row runs one way of moving or checking
+a batch in a loop for ``--seconds``, first alone, then beside a thread running a pure-Python
+counting loop (an engine's scheduler or event loop, standing in). Every re-acquisition of
+the GIL beside that thread waits out the switch interval (5 ms by default), so a loop that
+takes the GIL back per piece slows down with the number of pieces; kvfabric.spi.native
+takes it back once per batch. Rows:
+
+- crc: the ``crc32c`` package once per value vs ``native.crc32c_many``;
+- copy: numpy ``copyto`` per value (the memcpy baseline), ``ctypes.memmove`` per value (as
+  ``kvfabric.spi.copy_into`` does) vs ``native.copy_many``; and copy then CRC per value vs
+  the fused ``copy_many(crc_spans=...)``;
+- recv over 127.0.0.1 from a sender process: a Python ``recvmsg_into`` loop (the plain
+  socket baseline) vs ``native.recv_into_all``; and with a CRC per value after landing vs
+  the fused ``recv_into_all(crc_spans=...)``.
+
+Prints GB/s alone and beside the busy thread, their ratio, each row alone against its
+group's baseline (first row of the group), and the share of its idle counting rate the
+busy thread kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import crc32c
+import numpy as np
+
+from kvfabric.spi import native, parse_size
+
+_REQUEST = struct.Struct("<QQ")  # count, size; (0, 0) ends the sender
+
+
+class Busy:
+    """A pure-Python counting loop on its own thread."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop:
+            self.count += 1
+
+    def __enter__(self) -> Busy:
+        self._thread.start()
+        while self.count == 0:
+            time.sleep(0.001)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop = True
+        self._thread.join()
+
+
+def _loop(fn: Callable[[], object], seconds: float) -> tuple[int, float]:
+    """Run ``fn`` repeatedly for about ``seconds``: (batches, elapsed)."""
+    fn()  # warm up: page faults, socket windows
+    batches = 0
+    started = time.perf_counter()
+    while True:
+        fn()
+        batches += 1
+        elapsed = time.perf_counter() - started
+        if elapsed >= seconds:
+            return batches, elapsed
+
+
+def _idle_rate(seconds: float) -> float:
+    with Busy() as busy:
+        start, t0 = busy.count, time.perf_counter()
+        time.sleep(seconds)
+        return (busy.count - start) / (time.perf_counter() - t0)
+
+
+def measure(
+    fn: Callable[[], object], batch_bytes: int, seconds: float, idle: float
+) -> tuple[float, float, float]:
+    """(GB/s alone, GB/s beside the busy thread, share of its idle rate the thread kept)."""
+    batches, elapsed = _loop(fn, seconds)
+    alone = batches * batch_bytes / elapsed / 1e9
+    with Busy() as busy:
+        start = busy.count
+        t0 = time.perf_counter()
+        batches, elapsed = _loop(fn, seconds)
+        kept = (busy.count - start) / (time.perf_counter() - t0) / idle
+    return alone, batches * batch_bytes / elapsed / 1e9, kept
+
+
+# -- the rows -----------------------------------------------------------------------------
+
+
+def crc_rows(values: list[memoryview]) -> list[tuple[str, Callable[[], object]]]:
+    def package_per_value() -> object:
+        return [crc32c.crc32c(v) for v in values]
+
+    return [
+        ("crc: crc32c package, one call per value", package_per_value),
+        ("crc: native.crc32c_many", lambda: native.crc32c_many(values)),
+    ]
+
+
+def copy_rows(
+    sources: list[memoryview], dests: list[np.ndarray[Any, Any]]
+) -> list[tuple[str, Callable[[], object]]]:
+    src_arrays = [np.frombuffer(s, dtype=np.uint8) for s in sources]
+    src_addr = [int(a.ctypes.data) for a in src_arrays]
+    dest_addr = [int(d.ctypes.data) for d in dests]
+    sizes = [s.nbytes for s in sources]
+    pairs = list(zip(dests, sources, strict=True))
+    spans = [(i, i + 1) for i in range(len(pairs))]
+
+    def numpy_per_value() -> None:
+        for d, s in zip(dests, src_arrays, strict=True):
+            np.copyto(d, s)
+
+    def memmove_per_value() -> None:
+        for d, s, n in zip(dest_addr, src_addr, sizes, strict=True):
+            ctypes.memmove(d, s, n)
+
+    def memmove_then_crc() -> object:
+        memmove_per_value()
+        return [crc32c.crc32c(d.data) for d in dests]
+
+    return [
+        ("copy: numpy copyto per value (memcpy)", numpy_per_value),
+        ("copy: ctypes.memmove per value", memmove_per_value),
+        ("copy: native.copy_many", lambda: native.copy_many(pairs)),
+        ("copy+crc: memmove, then crc32c, per value", memmove_then_crc),
+        ("copy+crc: native.copy_many(crc_spans) fused", lambda: native.copy_many(pairs, spans)),
+    ]
+
+
+def _sender(size_total: int) -> None:
+    """Child process: per request, send ``count * size`` bytes of touched memory."""
+    source = memoryview(np.random.default_rng(1).bytes(size_total))
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        print(listener.getsockname()[1], flush=True)
+        conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    request = bytearray(_REQUEST.size)
+    while conn.recv_into(request, _REQUEST.size, socket.MSG_WAITALL) == _REQUEST.size:
+        count, size = _REQUEST.unpack(request)
+        if count == 0:
+            break
+        native.send_all(conn, [source[i * size : (i + 1) * size] for i in range(count)], None)
+    conn.close()
+
+
+def recv_rows(
+    sock: socket.socket, dests: list[np.ndarray[Any, Any]], size: int
+) -> list[tuple[str, Callable[[], object]]]:
+    views = [d.data for d in dests]
+    ask = _REQUEST.pack(len(dests), size)
+    spans = [(i, i + 1) for i in range(len(dests))]
+    iov_max = native.IOV_MAX
+
+    def python_loop() -> None:
+        # The loop kvfabric's tcp transport ran: recvmsg_into, up to IOV_MAX views a call.
+        sock.sendall(ask)
+        pending = list(views)
+        while pending:
+            n = sock.recvmsg_into(pending[:iov_max])[0]
+            if n == 0:
+                raise ConnectionError("sender went away")
+            done = 0
+            while n and n >= pending[done].nbytes:
+                n -= pending[done].nbytes
+                done += 1
+            del pending[:done]
+            if n:
+                pending[0] = pending[0][n:]
+
+    def python_loop_then_crc() -> object:
+        python_loop()
+        return [crc32c.crc32c(v) for v in views]
+
+    def native_recv() -> object:
+        sock.sendall(ask)
+        return native.recv_into_all(sock, views, time.monotonic() + 60)
+
+    def native_recv_crc() -> object:
+        sock.sendall(ask)
+        return native.recv_into_all(sock, views, time.monotonic() + 60, crc_spans=spans)
+
+    return [
+        ("recv: Python recvmsg_into loop (socket)", python_loop),
+        ("recv: native.recv_into_all", native_recv),
+        ("recv+crc: Python loop, then crc32c per value", python_loop_then_crc),
+        ("recv+crc: native.recv_into_all(crc_spans) fused", native_recv_crc),
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=64)
+    parser.add_argument("--size", type=parse_size, default=4 << 20)
+    parser.add_argument("--seconds", type=float, default=1.0)
+    parser.add_argument("--sender", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.sender is not None:
+        _sender(args.sender)
+        return
+    count, size = args.count, args.size
+    batch = count * size
+
+    rng = np.random.default_rng(7)
+    region = np.frombuffer(rng.bytes(batch), dtype=np.uint8)
+    sources = [region[i * size : (i + 1) * size].data for i in range(count)]
+    dests = [np.ones(size, dtype=np.uint8) for _ in range(count)]  # touched: no page faults
+
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--sender", str(batch)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        port = int(child.stdout.readline())
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        groups = [
+            crc_rows(sources),
+            copy_rows(sources, dests),
+            recv_rows(sock, dests, size),
+        ]
+        idle = _idle_rate(0.5)
+        print(
+            f"batch: {count} x {size >> 10} KiB; {args.seconds:g} s per cell; "
+            f"switch interval {sys.getswitchinterval() * 1e3:g} ms; "
+            f"hardware CRC32C: {native.HARDWARE_CRC32C}"
+        )
+        print(
+            f"{'path':48} {'alone':>8} {'beside busy':>12} {'ratio':>6} "
+            f"{'vs baseline':>12} {'busy kept':>10}"
+        )
+        print(f"{'':48} {'GB/s':>8} {'GB/s':>12}")
+        for rows in groups:
+            baseline: float | None = None
+            for name, fn in rows:
+                alone, busy, kept = measure(fn, batch, args.seconds, idle)
+                baseline = baseline or alone
+                print(
+                    f"{name:48} {alone:8.2f} {busy:12.2f} {busy / alone:6.2f} "
+                    f"{alone / baseline:11.2f}x {kept:10.2f}",
+                    flush=True,
+                )
+        sock.sendall(_REQUEST.pack(0, 0))
+        sock.close()
+    finally:
+        child.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()

@@ -7,8 +7,8 @@ around every primitive it calls, with the mapping the client declares.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
+from types import TracebackType
 
 from kvfabric.errors import KvfabricError, TransportError, TransportTimeoutError
 
@@ -25,22 +25,39 @@ SOCKET_ERRORS: ExceptionMapping = {
 """What a socket-based transport's calls raise, mapped."""
 
 
-@contextlib.contextmanager
-def map_exceptions(mapping: ExceptionMapping, *, where: str = "") -> Iterator[None]:
+class map_exceptions:  # lower case: used like contextlib's managers
     """Re-raise an exception of a mapped native class as its kvfabric class (``from`` it).
 
-    ``mapping`` is searched in order, so a subclass must come before its base. An exception
-    that already is what its first match would make passes unchanged (``TransportError`` is
+    ``with map_exceptions({native: ours}, where=...):`` around an I/O boundary. ``mapping``
+    is searched in order, so a subclass must come before its base. An exception that
+    already is what its first match would make passes unchanged (``TransportError`` is
     itself an ``OSError``); an unmapped one passes unchanged too. ``where`` prefixes the
     message (e.g. ``"tcp: node 3 at 10.0.0.7:4100"``).
+
+    A class rather than a ``@contextmanager`` generator: it wraps every batch a transport
+    moves, and entering it should cost next to nothing.
     """
-    try:
-        yield
-    except Exception as exc:
-        for native, ours in mapping.items():
+
+    __slots__ = ("mapping", "where")
+
+    def __init__(self, mapping: ExceptionMapping, *, where: str = "") -> None:
+        self.mapping = mapping
+        self.where = where
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if exc is None or not isinstance(exc, Exception):
+            return
+        for native, ours in self.mapping.items():
             if isinstance(exc, native):
                 if isinstance(exc, ours):
-                    raise
+                    return
                 text = str(exc) or type(exc).__name__
-                raise ours(f"{where}: {text}" if where else text) from exc
-        raise
+                raise ours(f"{self.where}: {text}" if self.where else text) from exc

@@ -37,15 +37,19 @@ P = TypeVar("P")
 
 
 class _Entry(Generic[P]):
-    """One connected node: its endpoint, its regions by id, and the transport's state."""
+    """One connected node: its endpoint, its regions by id, the transport's state, and the
+    error boundary its calls run in (stateless, so made once and shared by every call)."""
 
-    __slots__ = ("endpoint", "regions", "state", "where")
+    __slots__ = ("boundary", "endpoint", "regions", "state", "where")
 
-    def __init__(self, endpoint: NodeEndpoint, state: P, where: str) -> None:
+    def __init__(
+        self, endpoint: NodeEndpoint, state: P, where: str, errors: ExceptionMapping
+    ) -> None:
         self.endpoint = endpoint
         self.regions: dict[int, RegionHandle] = {h.region: h for h in endpoint.regions}
         self.state = state
         self.where = where
+        self.boundary = map_exceptions(errors, where=where)
 
 
 class PeerClient(TransportClient, Generic[P]):
@@ -103,7 +107,7 @@ class PeerClient(TransportClient, Generic[P]):
         where = self.describe(endpoint)
         with map_exceptions(self.native_errors, where=f"{where}: cannot connect"):
             state = self.open_peer(endpoint)
-        entry = _Entry(endpoint, state, where)
+        entry = _Entry(endpoint, state, where, self.native_errors)
         with self._table_lock:
             current = self._peers.get(endpoint.node)
             installed = not self._closed and (current is None or current.endpoint != endpoint)
@@ -119,14 +123,14 @@ class PeerClient(TransportClient, Generic[P]):
     def read(self, node: int, segments: Sequence[Segment]) -> list[TransportError | None]:
         entry, batch = self._plan(node, segments, into_buffers=True)
         if batch.segments:
-            with map_exceptions(self.native_errors, where=entry.where):
+            with entry.boundary:
                 self.read_segments(entry.state, batch)
         return batch.errors
 
     def write(self, node: int, segments: Sequence[Segment]) -> list[TransportError | None]:
         entry, batch = self._plan(node, segments, into_buffers=False)
         if batch.segments:
-            with map_exceptions(self.native_errors, where=entry.where):
+            with entry.boundary:
                 self.write_segments(entry.state, batch)
         return batch.errors
 
@@ -150,8 +154,7 @@ class PeerClient(TransportClient, Generic[P]):
         self, node: int, segments: Sequence[Segment], *, into_buffers: bool
     ) -> tuple[_Entry[P], Batch]:
         deadline = time.monotonic() + self.config.timeout
-        with self._table_lock:
-            entry = self._peers.get(node)
+        entry = self._peers.get(node)  # one dict read is atomic; the lock orders changes
         if entry is None:
             raise TransportError(f"not connected to node {node}")
         batch = plan_batch(
@@ -161,7 +164,7 @@ class PeerClient(TransportClient, Generic[P]):
 
     def _release(self, entry: _Entry[P]) -> None:
         try:
-            with map_exceptions(self.native_errors, where=entry.where):
+            with entry.boundary:
                 self.close_peer(entry.state)
         except TransportError as exc:
             # The node is being forgotten either way; a failed release must not stop the

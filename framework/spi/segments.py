@@ -120,9 +120,12 @@ def plan_batch(
         if into_buffers and buf.readonly:
             errors[i] = _refused(node, i, seg, _READ_ONLY)
             continue
+        # segment_status's rules, inlined: this loop runs once per segment of every batch.
         length = buf.nbytes
-        status = segment_status(regions.get(seg.region), seg.rkey, seg.offset, length)
-        if status is not _OK:
+        handle = regions.get(seg.region)
+        offset = seg.offset
+        if handle is None or seg.rkey != handle.rkey or offset < 0 or offset + length > handle.size:
+            status = segment_status(handle, seg.rkey, offset, length)
             errors[i] = _refused(node, i, seg, status.describe())
         elif length:
             accepted.append(seg)

@@ -4,7 +4,8 @@ A plugin imports ``kvfabric.spi`` (and the public ``kvfabric`` API: errors, keys
 descriptor) and nothing else; ruff enforces this for the built-in plugins. Here are the hook
 specifications and registries, the ``Transport``, ``Backend`` and ``Index`` base classes,
 the values that cross them, and the helpers a plugin needs (buffers, counters, wire codec,
-record format, slot allocator, sizes and durations). A transport's client subclasses
+record format, slot allocator, sizes and durations; ``native``: batch CRC32C, copies and
+socket loops that take the GIL back once per batch). A transport's client subclasses
 ``PeerClient`` and writes only its primitives: the peer table, the segment checks
 (``plan_batch``; ``RegionTable`` on a server) and the error boundary (``map_exceptions``)
 are here, once.
@@ -12,6 +13,7 @@ are here, once.
 
 from __future__ import annotations
 
+from kvfabric.spi import native
 from kvfabric.spi.backend import Backend, BackendConfig, MemoryKind, Region, new_rkey
 from kvfabric.spi.boundary import SOCKET_ERRORS, ExceptionMapping, map_exceptions
 from kvfabric.spi.buffers import GIL_FREE_COPY_MIN, address_of, byte_view, copy_into, writable_view
@@ -137,6 +139,7 @@ __all__ = [
     "hookspec",
     "installed_plugins",
     "map_exceptions",
+    "native",
     "new_rkey",
     "pack_header",
     "parse_bool",

@@ -155,6 +155,21 @@ def test_copy_many_into_numpy_and_mmap_destinations() -> None:
     assert crcs == [_crc(DATA)]
 
 
+@pytest.mark.parametrize("shift", [1000, -1000])
+def test_copy_many_within_one_buffer_copies_as_if_through_a_temporary(shift: int) -> None:
+    size = 300_000
+    buffer = bytearray(DATA[: size + 2000])
+    expected = bytearray(buffer)
+    src_at, dest_at = 1000, 1000 + shift
+    expected[dest_at : dest_at + size] = expected[src_at : src_at + size]
+    view = memoryview(buffer)
+    [crc] = native.copy_many(
+        [(view[dest_at : dest_at + size], view[src_at : src_at + size])], [(0, 1)]
+    )
+    assert buffer == expected
+    assert crc == _crc(expected[dest_at : dest_at + size])
+
+
 @pytest.mark.parametrize(
     ("bad", "error", "match"),
     [

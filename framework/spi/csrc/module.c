@@ -368,6 +368,13 @@ done:
 /* -- copies --------------------------------------------------------------------------------- */
 
 static void copy_crc(char *dest, const char *src, size_t n, uint32_t *crc) {
+    uintptr_t d = (uintptr_t)dest, s = (uintptr_t)src;
+    if (d < s + n && s < d + n) {
+        /* Overlapping: chunks would read bytes an earlier chunk overwrote. */
+        memmove(dest, src, n);
+        *crc = kvf_crc32c(*crc, dest, n);
+        return;
+    }
     for (size_t at = 0; at < n; at += COPY_CHUNK) {
         size_t c = n - at < COPY_CHUNK ? n - at : COPY_CHUNK;
         memmove(dest + at, src + at, c);

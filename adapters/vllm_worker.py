@@ -5,7 +5,8 @@ value per block, its page of every layer) and describes its layout for the sched
 the forward it loads the step's hits in one batched read, with the descriptors the
 scheduler's lookup resolved (no round trip of its own): straight into host pages, or into a
 staging buffer scattered into device pages. A block that does not land intact is a load
-error, which vLLM recomputes; its record is dropped so the recomputed block can replace it.
+error, which vLLM recomputes (the store reports an invalid record and the index drops it, so
+the recomputed block can replace it).
 After the forward it copies the step's newly full blocks out of the cache and stores them on
 a background thread, bounded by the bytes waiting to be stored.
 """
@@ -187,7 +188,7 @@ class WorkerSide:
             owners += [transfer.req_id] * len(transfer.block_ids)
         pages = self._pages
         if self._store is None or pages is None:
-            self._fail_loads(keys, block_ids, owners, range(len(keys)), drop=False)
+            self._fail_loads(keys, block_ids, owners, range(len(keys)))
             return
         started = time.perf_counter_ns()
         self._store.remember(
@@ -220,7 +221,7 @@ class WorkerSide:
         self.counters.add("load_control_rpcs", self._store.stats()["control_rpcs"] - rpcs_before)
         if len(good) < len(keys):
             bad = sorted(set(range(len(keys))) - set(good))
-            self._fail_loads(keys, block_ids, owners, bad, drop=True)
+            self._fail_loads(keys, block_ids, owners, bad)
         self.counters.update(
             loaded_blocks=len(good),
             loaded_bytes=len(good) * pages.value_bytes,
@@ -229,14 +230,11 @@ class WorkerSide:
         )
 
     def _fail_loads(
-        self,
-        keys: list[bytes],
-        block_ids: list[int],
-        owners: list[str],
-        bad: Iterable[int],
-        *,
-        drop: bool,
+        self, keys: list[bytes], block_ids: list[int], owners: list[str], bad: Iterable[int]
     ) -> None:
+        # No delete of the bad records here: the store reports a record that fails
+        # validation to the index, which drops it, so the recomputed block can be stored in
+        # its place; an absent or unreachable one has nothing to drop.
         bad = list(bad)
         self._load_errors.update(block_ids[i] for i in bad)
         self._failed_loads.update(owners[i] for i in bad)
@@ -246,11 +244,6 @@ class WorkerSide:
             len(bad),
             len(keys),
         )
-        if drop and self._store is not None:
-            # A record that failed validation would fail again; dropping it lets the
-            # recomputed block be stored in its place (an unreachable one is lost anyway,
-            # and a delete the controller cannot take answers 0).
-            self._store.delete([keys[i] for i in bad])
 
     def take_load_errors(self) -> set[int]:
         """Block ids that failed to load since the last call (vLLM recomputes them)."""

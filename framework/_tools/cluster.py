@@ -88,8 +88,12 @@ class Cluster:
         node_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
         secret: bytes | None = None,
+        backend: str = "dram",
     ) -> None:
+        """``backend="file"`` gives each node its own directory (:meth:`node_path`), kept
+        across restarts of that node."""
         self.port = free_port()
+        self.backend = backend
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.transports = list(transports)
         self.capacity = capacity
@@ -129,7 +133,15 @@ class Cluster:
         self.start_node(index)
         return index
 
-    def start_node(self, index: int) -> None:
+    def node_path(self, index: int) -> Path:
+        """The directory of node ``index`` when the backend keeps its memory in files."""
+        return self.logs / "data" / f"node{index}"
+
+    def start_node(
+        self, index: int, *, name: str | None = None, capacity: str | None = None
+    ) -> None:
+        """Start (or restart) node ``index``: by default under its own name and capacity."""
+        capacity = capacity or self.capacity
         args = [
             "node",
             "--controller",
@@ -137,13 +149,16 @@ class Cluster:
             "--transport",
             ",".join(self.transports),
             "--capacity",
-            self.capacity,
+            capacity,
             "--region-size",
-            self.capacity,
+            capacity,
             "--heartbeat",
             "0.25s",
             "--name",
-            f"node{index}",
+            name or f"node{index}",
+            "--backend",
+            self.backend,
+            *(["--path", str(self.node_path(index))] if self.backend == "file" else []),
             *self.node_args,
         ]
         self.nodes[index] = _Process(args, self.logs / f"node{index}.log", self.env, "serving")

@@ -306,10 +306,15 @@ class MemoryIndex(IndexPlugin):
             self._counters["in_flight"] += 1
             return Allocation(kind=AllocationKind.IN_FLIGHT)
         size = record_size(req.length)
-        if size > max((s.size for s in self._regions.values()), default=0):
-            # It could never fit: refuse it without evicting anything for it.
+        largest = max((s.size for s in self._regions.values() if s.restored is None), default=0)
+        if size > largest:
+            # It cannot fit in any region taking grants (the value is larger than every
+            # region, or the nodes are still restoring their records): refuse it without
+            # evicting anything for it.
             self._counters["no_space"] += 1
-            self._counters["oversize"] += 1
+            self._counters["oversize"] += size > max(
+                (s.size for s in self._regions.values()), default=0
+            )
             return Allocation(kind=AllocationKind.NO_SPACE)
         placed = self._fit(size)
         if placed is None:
@@ -471,11 +476,19 @@ class MemoryIndex(IndexPlugin):
             self._counters["early_reuse"] += 1
 
     def _oldest(self, count: int) -> list[bytes]:
+        """The least recently used entries whose eviction frees space grants can use.
+
+        Entries of a region still being restored are skipped: its space takes no grant
+        until the node is done, so evicting them would only lose hits.
+        """
         oldest: list[bytes] = []
         for key in self._lru:
             if len(oldest) == count:
                 break
-            oldest.append(key)
+            d = self._entries[key].descriptor
+            space = self._regions.get((d.node, d.region))
+            if space is not None and space.restored is None:
+                oldest.append(key)
         return oldest
 
     def _keep_headroom(self, now: float) -> None:
@@ -484,7 +497,8 @@ class MemoryIndex(IndexPlugin):
             self._release_retired(now)
 
     def _headroom_bytes(self) -> int:
-        return int(self._capacity() * self._headroom)
+        granting = sum(s.size for s in self._regions.values() if s.restored is None)
+        return int(granting * self._headroom)
 
     def _capacity(self) -> int:
         return sum(s.size for s in self._regions.values())

@@ -429,6 +429,22 @@ class IndexConformance:
         grants = _grants(index, _keys(2))
         assert sorted(g.offset for g in grants) == [_SLOT, 3 * _SLOT]
 
+    def test_puts_while_a_node_restores_never_evict_its_records(
+        self, make_index: MakeIndex
+    ) -> None:
+        index = make_index(IndexConfig(grace=0.0, headroom=0.0))
+        node = index.register_node(_node("n1", 4 * _SLOT, restoring=True))
+        held = _keys(3)
+        index.restore(node.id, [_record(k, i * _SLOT, 5) for i, k in enumerate(held)])
+        for key in _keys(10):  # writers arrive before the node is done reporting
+            result = index.allocate([AllocationRequest(key=key, length=_VALUE)])
+            assert result.allocations[0].kind is AllocationKind.NO_SPACE
+            assert result.evictions == 0
+        assert index.exists(held) == [True] * 3
+        index.restore_done(node.id)
+        assert _put(index, _keys(1)) == [AllocationKind.GRANTED]
+        assert index.exists(held) == [True] * 3
+
     def test_a_key_reported_by_two_nodes_is_kept_once(self, make_index: MakeIndex) -> None:
         index = make_index(IndexConfig(grace=0.0, headroom=0.0))
         one = index.register_node(_node("n1", 1 << 20, restoring=True))

@@ -1,6 +1,6 @@
 """The data path's loops alone and beside a busy Python thread: per-piece Python vs native batches.
 
-    python benchmarks/gil_bench.py [--count 64] [--size 4MiB] [--seconds 1.0]
+    python benchmarks/gil_bench.py [--count 64] [--size 4MiB] [--seconds 0.5] [--rounds 5]
 
 A batch is ``count`` values of ``size`` bytes. Each row runs one way of moving or checking
 a batch in a loop for ``--seconds``, first alone, then beside a thread running a pure-Python
@@ -17,9 +17,12 @@ takes it back once per batch. Rows:
   socket baseline) vs ``native.recv_into_all``; and with a CRC per value after landing vs
   the fused ``recv_into_all(crc_spans=...)``.
 
-Prints GB/s alone and beside the busy thread, their ratio, each row alone against its
-group's baseline (first row of the group), and the share of its idle counting rate the
-busy thread kept.
+Rows are sampled in rounds, each row in turn, and medians printed: GB/s alone and beside
+the busy thread, their ratio, each row alone against its group's baseline (its first row),
+the share of its idle counting rate the busy thread kept, and how many times a batch took
+the GIL back (native rows: counted by the module; Python rows: their GIL-releasing calls).
+On a machine with fewer idle cores than the two threads need, CPU contention lowers the
+"beside" column of every row alike; the GIL returns column does not depend on the load.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import socket
+import statistics
 import struct
 import subprocess
 import sys
@@ -41,6 +45,8 @@ import numpy as np
 from kvfabric.spi import native, parse_size
 
 _REQUEST = struct.Struct("<QQ")  # count, size; (0, 0) ends the sender
+# One way of handling a batch; returns how many times it took the GIL back.
+Row = Callable[[], int]
 
 
 class Busy:
@@ -66,17 +72,16 @@ class Busy:
         self._thread.join()
 
 
-def _loop(fn: Callable[[], object], seconds: float) -> tuple[int, float]:
-    """Run ``fn`` repeatedly for about ``seconds``: (batches, elapsed)."""
-    fn()  # warm up: page faults, socket windows
-    batches = 0
+def _loop(fn: Row, seconds: float) -> tuple[int, float, int]:
+    """Run ``fn`` repeatedly for about ``seconds``: (batches, elapsed, GIL returns per batch)."""
+    batches = returns = 0
     started = time.perf_counter()
     while True:
-        fn()
+        returns += fn()
         batches += 1
         elapsed = time.perf_counter() - started
         if elapsed >= seconds:
-            return batches, elapsed
+            return batches, elapsed, returns // batches
 
 
 def _idle_rate(seconds: float) -> float:
@@ -86,36 +91,50 @@ def _idle_rate(seconds: float) -> float:
         return (busy.count - start) / (time.perf_counter() - t0)
 
 
-def measure(
-    fn: Callable[[], object], batch_bytes: int, seconds: float, idle: float
-) -> tuple[float, float, float]:
-    """(GB/s alone, GB/s beside the busy thread, share of its idle rate the thread kept)."""
-    batches, elapsed = _loop(fn, seconds)
+def sample(
+    fn: Row, batch_bytes: int, seconds: float, idle: float
+) -> tuple[float, float, float, float]:
+    """GB/s alone, GB/s beside the busy thread, the share of its idle rate the thread kept,
+    and the GIL returns per batch."""
+    batches, elapsed, returns = _loop(fn, seconds)
     alone = batches * batch_bytes / elapsed / 1e9
     with Busy() as busy:
         start = busy.count
         t0 = time.perf_counter()
-        batches, elapsed = _loop(fn, seconds)
+        batches, elapsed, _ = _loop(fn, seconds)
         kept = (busy.count - start) / (time.perf_counter() - t0) / idle
-    return alone, batches * batch_bytes / elapsed / 1e9, kept
+    return alone, batches * batch_bytes / elapsed / 1e9, kept, returns
 
 
 # -- the rows -----------------------------------------------------------------------------
 
 
-def crc_rows(values: list[memoryview]) -> list[tuple[str, Callable[[], object]]]:
-    def package_per_value() -> object:
-        return [crc32c.crc32c(v) for v in values]
+def _native_call(fn: Callable[[], object], extra: int = 0) -> Callable[[], int]:
+    """``fn`` as a row: returns the GIL returns it took (counted by the module, + ``extra``)."""
+
+    def row() -> int:
+        before = native.gil_reacquisitions()
+        fn()
+        return native.gil_reacquisitions() - before + extra
+
+    return row
+
+
+def crc_rows(values: list[memoryview]) -> list[tuple[str, Row]]:
+    def package_per_value() -> int:
+        for v in values:
+            crc32c.crc32c(v)  # releases the GIL for 32 KiB and more
+        return len(values)
 
     return [
         ("crc: crc32c package, one call per value", package_per_value),
-        ("crc: native.crc32c_many", lambda: native.crc32c_many(values)),
+        ("crc: native.crc32c_many", _native_call(lambda: native.crc32c_many(values))),
     ]
 
 
 def copy_rows(
     sources: list[memoryview], dests: list[np.ndarray[Any, Any]]
-) -> list[tuple[str, Callable[[], object]]]:
+) -> list[tuple[str, Row]]:
     src_arrays = [np.frombuffer(s, dtype=np.uint8) for s in sources]
     src_addr = [int(a.ctypes.data) for a in src_arrays]
     dest_addr = [int(d.ctypes.data) for d in dests]
@@ -123,24 +142,30 @@ def copy_rows(
     pairs = list(zip(dests, sources, strict=True))
     spans = [(i, i + 1) for i in range(len(pairs))]
 
-    def numpy_per_value() -> None:
+    def numpy_per_value() -> int:
         for d, s in zip(dests, src_arrays, strict=True):
-            np.copyto(d, s)
+            np.copyto(d, s)  # releases the GIL around a plain copy
+        return len(dests)
 
-    def memmove_per_value() -> None:
+    def memmove_per_value() -> int:
         for d, s, n in zip(dest_addr, src_addr, sizes, strict=True):
-            ctypes.memmove(d, s, n)
+            ctypes.memmove(d, s, n)  # a foreign call: ctypes releases the GIL
+        return len(dests)
 
-    def memmove_then_crc() -> object:
-        memmove_per_value()
-        return [crc32c.crc32c(d.data) for d in dests]
+    def memmove_then_crc() -> int:
+        for d in dests:
+            crc32c.crc32c(d.data)
+        return memmove_per_value() + len(dests)
 
     return [
         ("copy: numpy copyto per value (memcpy)", numpy_per_value),
         ("copy: ctypes.memmove per value", memmove_per_value),
-        ("copy: native.copy_many", lambda: native.copy_many(pairs)),
+        ("copy: native.copy_many", _native_call(lambda: native.copy_many(pairs))),
         ("copy+crc: memmove, then crc32c, per value", memmove_then_crc),
-        ("copy+crc: native.copy_many(crc_spans) fused", lambda: native.copy_many(pairs, spans)),
+        (
+            "copy+crc: native.copy_many(crc_spans) fused",
+            _native_call(lambda: native.copy_many(pairs, spans)),
+        ),
     ]
 
 
@@ -162,17 +187,19 @@ def _sender(size_total: int) -> None:
 
 def recv_rows(
     sock: socket.socket, dests: list[np.ndarray[Any, Any]], size: int
-) -> list[tuple[str, Callable[[], object]]]:
+) -> list[tuple[str, Row]]:
     views = [d.data for d in dests]
     ask = _REQUEST.pack(len(dests), size)
     spans = [(i, i + 1) for i in range(len(dests))]
     iov_max = native.IOV_MAX
 
-    def python_loop() -> None:
+    def python_loop() -> int:
         # The loop kvfabric's tcp transport ran: recvmsg_into, up to IOV_MAX views a call.
         sock.sendall(ask)
+        calls = 1
         pending = list(views)
         while pending:
+            calls += 1
             n = sock.recvmsg_into(pending[:iov_max])[0]
             if n == 0:
                 raise ConnectionError("sender went away")
@@ -183,13 +210,16 @@ def recv_rows(
             del pending[:done]
             if n:
                 pending[0] = pending[0][n:]
+        return calls
 
-    def python_loop_then_crc() -> object:
-        python_loop()
-        return [crc32c.crc32c(v) for v in views]
+    def python_loop_then_crc() -> int:
+        calls = python_loop()
+        for v in views:
+            crc32c.crc32c(v)
+        return calls + len(views)
 
     def native_recv() -> object:
-        sock.sendall(ask)
+        sock.sendall(ask)  # the request: one more GIL return, counted below
         return native.recv_into_all(sock, views, time.monotonic() + 60)
 
     def native_recv_crc() -> object:
@@ -198,9 +228,9 @@ def recv_rows(
 
     return [
         ("recv: Python recvmsg_into loop (socket)", python_loop),
-        ("recv: native.recv_into_all", native_recv),
+        ("recv: native.recv_into_all", _native_call(native_recv, extra=1)),
         ("recv+crc: Python loop, then crc32c per value", python_loop_then_crc),
-        ("recv+crc: native.recv_into_all(crc_spans) fused", native_recv_crc),
+        ("recv+crc: native.recv_into_all(crc_spans) fused", _native_call(native_recv_crc, 1)),
     ]
 
 
@@ -208,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=64)
     parser.add_argument("--size", type=parse_size, default=4 << 20)
-    parser.add_argument("--seconds", type=float, default=1.0)
+    parser.add_argument("--seconds", type=float, default=0.5, help="per cell and round")
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--sender", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.sender is not None:
@@ -235,26 +266,38 @@ def main(argv: list[str] | None = None) -> None:
             copy_rows(sources, dests),
             recv_rows(sock, dests, size),
         ]
-        idle = _idle_rate(0.5)
+        rows = [row for group in groups for row in group]
+        for _, fn in rows:
+            fn()  # warm up: page faults, socket windows
+        # Rounds of every row in turn, medians reported: load from elsewhere on the machine
+        # hits every row alike.
+        samples: list[list[tuple[float, float, float, float]]] = [[] for _ in rows]
+        for _ in range(args.rounds):
+            idle = _idle_rate(0.2)
+            for (_, fn), taken in zip(rows, samples, strict=True):
+                taken.append(sample(fn, batch, args.seconds, idle))
         print(
-            f"batch: {count} x {size >> 10} KiB; {args.seconds:g} s per cell; "
-            f"switch interval {sys.getswitchinterval() * 1e3:g} ms; "
+            f"batch: {count} x {size >> 10} KiB; medians of {args.rounds} rounds of "
+            f"{args.seconds:g} s per cell; switch interval {sys.getswitchinterval() * 1e3:g} ms; "
             f"hardware CRC32C: {native.HARDWARE_CRC32C}"
         )
         print(
             f"{'path':48} {'alone':>8} {'beside busy':>12} {'ratio':>6} "
-            f"{'vs baseline':>12} {'busy kept':>10}"
+            f"{'vs baseline':>12} {'busy kept':>10} {'GIL returns':>12}"
         )
-        print(f"{'':48} {'GB/s':>8} {'GB/s':>12}")
-        for rows in groups:
+        print(f"{'':48} {'GB/s':>8} {'GB/s':>12} {'':>6} {'':>12} {'':>10} {'per batch':>12}")
+        at = 0
+        for group in groups:
             baseline: float | None = None
-            for name, fn in rows:
-                alone, busy, kept = measure(fn, batch, args.seconds, idle)
+            for name, _ in group:
+                alone, busy, kept, returns = (
+                    statistics.median(column) for column in zip(*samples[at], strict=True)
+                )
+                at += 1
                 baseline = baseline or alone
                 print(
                     f"{name:48} {alone:8.2f} {busy:12.2f} {busy / alone:6.2f} "
-                    f"{alone / baseline:11.2f}x {kept:10.2f}",
-                    flush=True,
+                    f"{alone / baseline:11.2f}x {kept:10.2f} {returns:12.0f}"
                 )
         sock.sendall(_REQUEST.pack(0, 0))
         sock.close()

@@ -1,0 +1,870 @@
+"""The ``redis`` index: kvfabric's index kept in Redis, Redis Cluster or Valkey.
+
+No kvfabric process sits in the metadata path: every client (and data node) opens this index
+on the same Redis deployment and namespace, and the state lives there. The design, with its
+reasons, is in docs/redis.md; in short:
+
+* Data nodes' regions are carved into *arenas* (:mod:`kvfabric.indexes.redis_layout`); an
+  arena's free space, grants, entries and retired slots live in one hash slot, changed only by
+  the server-side functions of ``redis_functions.lua``. So the index allocates, atomically with
+  the entry, and no two writers can ever be given overlapping bytes: arenas never overlap, and
+  within one Redis runs one function at a time.
+* A key belongs to one arena (consistent hashing over the arenas, computed by every client
+  from the registry). A batched call groups its keys by arena and sends one function call per
+  arena, pipelined per master, all masters at once: one round trip per shard that holds any
+  of the keys (:mod:`kvfabric.indexes.redis_shards`). A put is allocate + publish: two rounds.
+* Lookups only read (``FCALL_RO``): they replicate nothing, and reading an entry moves Redis's
+  own LRU clock of it, which eviction samples (``OBJECT IDLETIME``), weighted by retention.
+* The registry (ids by name, incarnations, arenas, liveness keys with a TTL) is one more hash
+  slot; ``tick`` removes nodes whose liveness key expired.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from kvfabric.descriptor import Descriptor
+from kvfabric.errors import ConfigError, ControllerUnavailableError
+from kvfabric.indexes.redis_layout import (
+    Arena,
+    Ring,
+    arena_prefix,
+    check_namespace,
+    decode_entry,
+    key_slot,
+    registry_key,
+    version_bytes,
+)
+from kvfabric.spi import (
+    SLOT_ALIGN,
+    AllocateResult,
+    Allocation,
+    AllocationKind,
+    AllocationRequest,
+    GrantRef,
+    IndexConfig,
+    IndexPlugin,
+    NodeEndpoint,
+    NodeInfo,
+    OptionSpec,
+    Registry,
+    hookimpl,
+    parse_duration,
+    parse_size,
+    record_size,
+)
+
+if TYPE_CHECKING:
+    from kvfabric.indexes.redis_shards import Call, Round, ShardSet
+
+__all__ = ["RedisIndex"]
+
+_LIBRARY_NAME = "kvfabric1"
+_KINDS = {
+    1: AllocationKind.GRANTED,
+    2: AllocationKind.EXISTS,
+    3: AllocationKind.IN_FLIGHT,
+    4: AllocationKind.NO_SPACE,
+}
+# Every arena's lease expiry and retired slots are also swept by allocations in that arena;
+# tick sweeps all arenas this often, so the gauges stay right where nobody writes.
+_UPKEEP_INTERVAL = 5.0
+
+_CLIENT_COUNTERS = (
+    "lookups",
+    "lookup_keys",
+    "prefix_hits",
+    "resolves",
+    "resolve_hits",
+    "exists_calls",
+    "unavailable_calls",
+    "unreplicated_publishes",
+    "stale_arenas",
+    "nodes_expired",
+)
+_ARENA_COUNTERS = (
+    "grants",
+    "dedup_hits",
+    "in_flight",
+    "no_space",
+    "oversize",
+    "published",
+    "publish_rejected",
+    "aborted",
+    "unpublished",
+    "evictions",
+    "early_reuse",
+    "lease_expiries",
+    "invalid_reports",
+    "restored",
+    "restore_duplicates",
+    "restore_overlaps",
+    "hosted_drops",
+)
+
+
+def _url(text: str) -> str:
+    if not text.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"{text!r} is not a redis:// or rediss:// (TLS) URL")
+    return text
+
+
+@attrs.frozen(kw_only=True)
+class _View:
+    """The registry as this client last read it, and the ring computed from it."""
+
+    epoch: int
+    nodes: dict[int, NodeInfo]
+    arenas: dict[int, Arena]
+    ring: Ring
+    dropped: frozenset[int]
+
+
+_EMPTY = _View(epoch=-1, nodes={}, arenas={}, ring=Ring(()), dropped=frozenset())
+
+
+class RedisIndex(IndexPlugin):
+    """The index in Redis (single server or Cluster). Thread-safe; one per process is enough."""
+
+    name = "redis"
+    install_hint = "pip install 'kvfabric[redis]'"
+    options = (
+        OptionSpec(
+            name="url",
+            parse=_url,
+            default="redis://127.0.0.1:6379",
+            help="any node of the Redis deployment: redis:// or rediss:// (TLS), "
+            "user:password@ for ACL auth; a cluster is found from it",
+        ),
+        OptionSpec(
+            name="namespace",
+            parse=check_namespace,
+            default="kvfabric",
+            help="prefix of every key: stores sharing a namespace share the cache",
+        ),
+        OptionSpec(
+            name="arena_size",
+            parse=parse_size,
+            default=1 << 30,
+            help="regions are carved into arenas of at most this size, the unit of placement "
+            "(a value must fit in one)",
+        ),
+        OptionSpec(
+            name="timeout",
+            parse=parse_duration,
+            default=2.0,
+            help="seconds a Redis server has to answer before its calls count as failed",
+        ),
+        OptionSpec(
+            name="node_ttl",
+            parse=parse_duration,
+            default=10.0,
+            help="a data node that has not heartbeated for this long is dropped (0: never)",
+        ),
+        OptionSpec(
+            name="wait_replicas",
+            parse=int,
+            default=0,
+            help="a publish succeeds once this many replicas of its master have it (WAIT), "
+            "so a failover cannot lose it",
+        ),
+        OptionSpec(
+            name="pool",
+            parse=int,
+            default=16,
+            help="connections per Redis server",
+        ),
+    )
+
+    @classmethod
+    def check_available(cls) -> None:
+        try:
+            import redis  # noqa: F401
+        except ImportError:
+            raise cls.unavailable("redis-py is not installed") from None
+
+    @classmethod
+    def create(cls, config: IndexConfig) -> RedisIndex:
+        cls.check_available()
+        options = cls.parse_options(config.options)
+        return cls(
+            url=options["url"],
+            namespace=options["namespace"],
+            arena_size=options["arena_size"],
+            timeout=options["timeout"],
+            node_ttl=options["node_ttl"],
+            wait_replicas=options["wait_replicas"],
+            pool=options["pool"],
+            lease=config.lease,
+            grace=config.grace,
+            headroom=config.headroom,
+        )
+
+    def __init__(
+        self,
+        *,
+        url: str = "redis://127.0.0.1:6379",
+        namespace: str = "kvfabric",
+        arena_size: int = 1 << 30,
+        timeout: float = 2.0,
+        node_ttl: float = 10.0,
+        wait_replicas: int = 0,
+        pool: int = 16,
+        lease: float = 30.0,
+        grace: float = 2.0,
+        headroom: float = 0.05,
+    ) -> None:
+        from kvfabric.indexes.redis_shards import ShardSet
+
+        if arena_size < SLOT_ALIGN:
+            raise ConfigError(f"redis.arena_size must be at least {SLOT_ALIGN} bytes")
+        if wait_replicas < 0 or pool < 1:
+            raise ConfigError("redis.wait_replicas must be >= 0 and redis.pool >= 1")
+        self._ns = check_namespace(namespace)
+        self._arena_size = arena_size
+        self._node_ttl_ms = int(node_ttl * 1000)
+        self._wait = wait_replicas
+        self._lease_ms = max(1, int(lease * 1000))
+        self._grace_ms = int(grace * 1000)
+        self._headroom = repr(float(headroom))
+        self._registry = registry_key(self._ns)
+        self._registry_slot = key_slot(self._registry)
+        library = resources.files("kvfabric.indexes").joinpath("redis_functions.lua").read_text()
+        self._shards: ShardSet = ShardSet(
+            url, timeout=timeout, pool=pool, library=library, library_name=_LIBRARY_NAME
+        )
+        self._lock = threading.Lock()
+        self._view = _EMPTY
+        self._stale = True
+        self._last_upkeep = time.monotonic()
+        self._counters = dict.fromkeys(_CLIENT_COUNTERS, 0)
+
+    # -- the registry --------------------------------------------------------------------------
+
+    def _registry_call(self, function: str, *args: Any, read_only: bool = False) -> Any:
+        command = "FCALL_RO" if read_only else "FCALL"
+        return self._shards.execute(
+            self._registry_slot, command, function, 1, self._registry, *args
+        )
+
+    def _current(self) -> _View:
+        """The view, read from Redis first if it is known to be out of date."""
+        with self._lock:
+            stale, view = self._stale, self._view
+        return self._refresh() if stale else view
+
+    def _refresh(self, *, force: bool = False) -> _View:
+        """Read the registry if its epoch moved (one round trip to the registry's master)."""
+        with self._lock:
+            known = -1 if force else self._view.epoch
+        reply = self._registry_call("kvf1_registry", known, read_only=True)
+        if len(reply) == 1:
+            with self._lock:
+                self._stale = False
+                return self._view
+        epoch, flat_nodes, flat_arenas, dropped = reply
+        nodes: dict[int, NodeInfo] = {}
+        for i in range(0, len(flat_nodes), 3):
+            info = NodeInfo.from_bytes(flat_nodes[i + 2])
+            nodes[int(flat_nodes[i])] = attrs.evolve(info, incarnation=int(flat_nodes[i + 1]))
+        names = {node_id: info.name for node_id, info in nodes.items()}
+        arenas = {
+            int(flat_arenas[i]): Arena.parse(
+                self._ns, int(flat_arenas[i]), flat_arenas[i + 1], names
+            )
+            for i in range(0, len(flat_arenas), 2)
+        }
+        view = _View(
+            epoch=int(epoch),
+            nodes=nodes,
+            arenas=arenas,
+            ring=Ring(sorted(arenas.values(), key=lambda a: a.id)),
+            dropped=frozenset(int(a) for a in dropped),
+        )
+        with self._lock:
+            if view.epoch >= self._view.epoch or force:
+                self._view = view
+            self._stale = False
+            return self._view
+
+    def nodes(self) -> list[NodeInfo]:
+        return list(self._refresh().nodes.values())
+
+    def register_node(self, info: NodeInfo) -> NodeInfo:
+        node_id = int(self._registry_call("kvf1_node_id", info.name))
+        endpoints = tuple(
+            NodeEndpoint(node=node_id, transport=e.transport, address=e.address, regions=e.regions)
+            for e in info.endpoints
+        )
+        registered = attrs.evolve(info, endpoints=endpoints, id=node_id, incarnation=0)
+        regions: list[Any] = []
+        for region in info.regions:
+            regions += [region.id, region.size, region.rkey]
+        incarnation, _, created, dropped = self._registry_call(
+            "kvf1_register",
+            node_id,
+            1 if info.restoring else 0,
+            self._arena_size,
+            SLOT_ALIGN,
+            self._node_ttl_ms if self._node_ttl_ms > 0 else 0,
+            registered.to_bytes(),
+            *regions,
+        )
+        view = self._refresh()
+        self._init_arenas([view.arenas[int(a)] for a in created if int(a) in view.arenas])
+        self._drop_arenas([int(a) for a in dropped])
+        return attrs.evolve(registered, incarnation=int(incarnation))
+
+    def heartbeat(self, node: int, incarnation: int) -> bool:
+        """The node is alive for ``node_ttl`` more; False if that incarnation is not the
+        registered one (the node was dropped, or registered again elsewhere): re-register."""
+        return bool(self._registry_call("kvf1_heartbeat", node, incarnation))
+
+    def remove_node(self, node: int) -> int:
+        removed, dropped = self._registry_call("kvf1_remove", node)
+        if not removed:
+            return 0
+        self._refresh()
+        return self._drop_arenas([int(a) for a in dropped])
+
+    def _init_arenas(self, arenas: Sequence[Arena]) -> None:
+        calls = [
+            self._call(
+                arena,
+                "kvf1_init",
+                arena.node,
+                arena.region,
+                arena.base,
+                arena.size,
+                arena.rkey,
+                arena.id,
+                arena.id % 4096,
+                1 if arena.restoring else 0,
+            )
+            for arena in arenas
+        ]
+        for value in self._run(calls).values:
+            _raise_unexpected(value)
+
+    def _drop_arenas(self, arena_ids: Sequence[int]) -> int:
+        """Delete arenas' keys (a batch per call until none is left); returns the entries that
+        went, with entries elsewhere whose records were in these arenas."""
+        from kvfabric.indexes.redis_shards import Call
+
+        dropped = 0
+        notices: list[Any] = []
+        left = list(arena_ids)
+        while left:
+            calls = [
+                Call(
+                    slot=key_slot(arena_prefix(self._ns, a)),
+                    args=("FCALL", "kvf1_drop", 1, arena_prefix(self._ns, a) + b"m"),
+                )
+                for a in left
+            ]
+            values = self._run(calls).values
+            still: list[int] = []
+            for arena, value in zip(left, values, strict=True):
+                if isinstance(value, Exception):
+                    continue  # tick drops it later: the registry keeps it among `dropped`
+                count, remaining, found = value
+                dropped += int(count)
+                notices += found
+                if int(remaining):
+                    still.append(arena)
+            left = still
+        dropped += self._drop_at_homes(notices)
+        if arena_ids:
+            self._registry_call("kvf1_forget_dropped", *arena_ids)
+        return dropped
+
+    def _drop_at_homes(self, notices: Iterable[Any]) -> int:
+        """Entries whose records (in another arena) were evicted or dropped go too."""
+        by_home: dict[int, list[Any]] = {}
+        for home, _offset, key, version in notices:
+            by_home.setdefault(int(home), []).extend([key, version])
+        if not by_home:
+            return 0
+        calls = [self._unpublish_call(home, "hosted_drops", args) for home, args in by_home.items()]
+        return sum(int(v[1]) for v in self._run(calls).values if _ok(v))
+
+    def _release_at_hosts(self, notices: Iterable[Any]) -> None:
+        """Slots holding records of entries that went elsewhere retire."""
+        from kvfabric.indexes.redis_shards import Call
+
+        by_host: dict[int, list[Any]] = {}
+        for host, offset, key, version in notices:
+            by_host.setdefault(int(host), []).extend([offset, key, version])
+        calls = [
+            Call(
+                slot=key_slot(arena_prefix(self._ns, host)),
+                args=(
+                    "FCALL",
+                    "kvf1_release_hosted",
+                    1,
+                    arena_prefix(self._ns, host) + b"m",
+                    self._grace_ms,
+                    *args,
+                ),
+            )
+            for host, args in by_host.items()
+        ]
+        if calls:
+            self._run(calls)
+
+    def restore(self, node: int, records: Sequence[Descriptor]) -> int:
+        view = self._current()
+        if node not in view.nodes:
+            view = self._refresh()
+        holders = [a for a in view.arenas.values() if a.node == node]
+        if not holders or not view.ring:
+            return 0
+        # 1. The arena holding each record claims its slot (fits, overlaps nothing claimed).
+        placed: list[tuple[Descriptor, Arena, Arena]] = []
+        for record in records:
+            size = record_size(record.length)
+            holder = next((a for a in holders if a.holds(record.region, record.offset, size)), None)
+            if holder is not None:
+                placed.append((record, holder, view.ring.arena_of(record.key)))
+        claims = self._by_arena(
+            (holder, [r.offset, record_size(r.length), r.key, home.id, version_bytes(r.version)])
+            for r, holder, home in placed
+        )
+        claimed_flags = self._flags(claims, "kvf1_claim", SLOT_ALIGN)
+        claimed = [p for p, ok in zip(placed, claimed_flags, strict=True) if ok]
+        # 2. Each key's arena publishes it unless it already has the key.
+        adoptions = self._by_arena(
+            (
+                home,
+                [
+                    r.key,
+                    node,
+                    r.region,
+                    holder.rkey.to_bytes(8, "little"),
+                    r.offset,
+                    r.length,
+                    version_bytes(r.version),
+                    r.crc,
+                    holder.id,
+                ],
+            )
+            for r, holder, home in claimed
+        )
+        adopted = self._flags(adoptions, "kvf1_adopt")
+        # 3. Claims of records not published are let go.
+        refused = self._by_arena(
+            (holder, [r.offset, r.key])
+            for (r, holder, _), ok in zip(claimed, adopted, strict=True)
+            if not ok
+        )
+        calls = [self._call(arena, "kvf1_unclaim", *args) for arena, _, args in refused]
+        for value in self._run(calls).values:
+            _raise_unexpected(value)
+        return sum(adopted)
+
+    def _flags(
+        self, groups: list[tuple[Arena, list[int], list[Any]]], function: str, *head: Any
+    ) -> list[bool]:
+        """Run ``function`` per arena; the flags it returns, in the order of the items."""
+        total = sum(len(indexes) for _, indexes, _ in groups)
+        flags = [False] * total
+        calls = [self._call(arena, function, *head, *args) for arena, _, args in groups]
+        for (_, indexes, _), value in zip(groups, self._run(calls).values, strict=True):
+            _raise_unexpected(value)
+            if _ok(value):
+                for i, flag in zip(indexes, value[1], strict=True):
+                    flags[i] = bool(flag)
+        return flags
+
+    def restore_done(self, node: int) -> None:
+        view = self._current()
+        calls = [self._call(a, "kvf1_restore_done") for a in view.arenas.values() if a.node == node]
+        for value in self._run(calls).values:
+            _raise_unexpected(value)
+
+    # -- what clients call ----------------------------------------------------------------------
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> list[Descriptor]:
+        found = self._read(keys)
+        out: list[Descriptor] = []
+        for descriptor in found:
+            if descriptor is None:
+                break
+            out.append(descriptor)
+        self._count(lookups=1, lookup_keys=len(keys), prefix_hits=len(out))
+        return out
+
+    def resolve(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
+        found = self._read(keys)
+        self._count(resolves=1, resolve_hits=sum(d is not None for d in found))
+        return found
+
+    def _read(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
+        view = self._current()
+        found: list[Descriptor | None] = [None] * len(keys)
+        if not keys or not view.ring:
+            return found
+        groups = self._group_keys(view, keys)
+        calls = [
+            self._call(arena, "kvf1_lookup", *args, read_only=True) for arena, _, args in groups
+        ]
+        replies = self._run(calls).values
+        for (_, indexes, _), reply in zip(groups, replies, strict=True):
+            if isinstance(reply, Exception):
+                _raise_unexpected(reply)
+                continue  # that shard is down: its keys are misses
+            if reply[0] is None:
+                self._gone()
+                continue
+            node, region, rkey = int(reply[0]), int(reply[1]), int(reply[2])
+            for i, raw in zip(indexes, reply[3:], strict=True):
+                if raw is not None:
+                    descriptor = decode_entry(keys[i], raw, node, region, rkey)
+                    # A record restored into another node's arena: only while that node is.
+                    if descriptor.node == node or descriptor.node in view.nodes:
+                        found[i] = descriptor
+        return found
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        view = self._current()
+        self._count(exists_calls=1)
+        out = [False] * len(keys)
+        if not keys or not view.ring:
+            return out
+        groups = self._group_keys(view, keys)
+        calls = [
+            self._call(arena, "kvf1_exists", *args, read_only=True) for arena, _, args in groups
+        ]
+        replies = self._run(calls).values
+        for (_, indexes, _), reply in zip(groups, replies, strict=True):
+            if isinstance(reply, Exception):
+                _raise_unexpected(reply)
+                continue
+            if reply[0] is None:
+                self._gone()
+                continue
+            for i, flag in zip(indexes, reply[1:], strict=True):
+                out[i] = bool(flag)
+        return out
+
+    def allocate(self, requests: Sequence[AllocationRequest]) -> AllocateResult:
+        view = self._current()
+        allocations = [Allocation(kind=AllocationKind.NO_SPACE)] * len(requests)
+        if not requests or not view.ring:
+            return AllocateResult(allocations=tuple(allocations))
+        groups = self._by_arena(
+            (view.ring.arena_of(r.key), [r.key, r.length, record_size(r.length)]) for r in requests
+        )
+        evictions = 0
+        notices: list[Any] = []
+        for attempt in range(2):
+            calls = [
+                self._call(
+                    arena, "kvf1_allocate", self._lease_ms, self._grace_ms, self._headroom, *args
+                )
+                for arena, _, args in groups
+            ]
+            gone: list[tuple[Arena, list[int], list[Any]]] = []
+            replies = self._run(calls).values
+            for group, reply in zip(groups, replies, strict=True):
+                arena, indexes, _ = group
+                if isinstance(reply, Exception):
+                    _raise_unexpected(reply)
+                    continue  # NO_SPACE: nothing was granted there
+                if reply[0] == b"gone":
+                    gone.append(group)
+                    continue
+                _, evicted, kinds, entries, found = reply
+                evictions += int(evicted)
+                notices += found
+                for i, kind, raw in zip(indexes, kinds, entries, strict=True):
+                    allocation_kind = _KINDS[int(kind)]
+                    descriptor = None
+                    if raw:
+                        descriptor = decode_entry(
+                            requests[i].key, raw, arena.node, arena.region, arena.rkey
+                        )
+                    allocations[i] = Allocation(kind=allocation_kind, descriptor=descriptor)
+            if not gone or attempt:
+                break
+            # Arenas this client did not know were replaced (or never initialised): read the
+            # registry again and send those keys where they belong now.
+            groups = self._regroup(gone, requests)
+        if notices:
+            self._drop_at_homes(notices)
+        return AllocateResult(allocations=tuple(allocations), evictions=evictions)
+
+    def _regroup(
+        self,
+        gone: list[tuple[Arena, list[int], list[Any]]],
+        requests: Sequence[AllocationRequest],
+    ) -> list[tuple[Arena, list[int], list[Any]]]:
+        self._count(stale_arenas=len(gone))
+        view = self._refresh()
+        registered = [a for a, _, _ in gone if a.id in view.arenas]
+        if registered:
+            self._init_arenas([view.arenas[a.id] for a in registered])
+        if not view.ring:
+            return []
+        indexes = [i for _, group_indexes, _ in gone for i in group_indexes]
+        regrouped = self._by_arena(
+            (
+                view.ring.arena_of(requests[i].key),
+                [requests[i].key, requests[i].length, record_size(requests[i].length)],
+            )
+            for i in indexes
+        )
+        # Map the regrouped positions back to the request positions.
+        return [(arena, [indexes[j] for j in where], args) for arena, where, args in regrouped]
+
+    def publish(self, grants: Sequence[GrantRef]) -> list[bool]:
+        view = self._current()
+        out = [False] * len(grants)
+        if not grants or not view.ring:
+            return out
+        groups = self._by_arena(
+            (view.ring.arena_of(g.key), [g.key, version_bytes(g.version), g.crc]) for g in grants
+        )
+        calls = [self._call(arena, "kvf1_publish", *args) for arena, _, args in groups]
+        result = self._run(calls, wait_replicas=self._wait)
+        for (_, indexes, _), reply, durable in zip(
+            groups, result.values, result.durable, strict=True
+        ):
+            _raise_unexpected(reply)
+            if not _ok(reply):
+                continue
+            for i, flag in zip(indexes, reply[1], strict=True):
+                out[i] = bool(flag) and durable
+            if not durable:
+                self._count(unreplicated_publishes=sum(bool(f) for f in reply[1]))
+        return out
+
+    def abort(self, grants: Sequence[GrantRef]) -> None:
+        view = self._current()
+        if not grants or not view.ring:
+            return
+        groups = self._by_arena(
+            (view.ring.arena_of(g.key), [g.key, version_bytes(g.version)]) for g in grants
+        )
+        calls = [
+            self._call(arena, "kvf1_abort", self._grace_ms, *args) for arena, _, args in groups
+        ]
+        for value in self._run(calls).values:
+            _raise_unexpected(value)
+
+    def unpublish(self, keys: Sequence[bytes]) -> int:
+        return self._unpublish([(k, b"") for k in keys], "unpublished")
+
+    def drop_invalid(self, records: Sequence[GrantRef]) -> int:
+        """Readers found these published records invalid: unpublish each that is still the
+        published version, so the next put of its key stores it again."""
+        return self._unpublish(
+            [(r.key, version_bytes(r.version)) for r in records], "invalid_reports"
+        )
+
+    def _unpublish(self, pairs: Sequence[tuple[bytes, bytes]], counter: str) -> int:
+        view = self._current()
+        if not pairs or not view.ring:
+            return 0
+        groups = self._by_arena((view.ring.arena_of(key), [key, version]) for key, version in pairs)
+        calls = [self._unpublish_call(arena.id, counter, args) for arena, _, args in groups]
+        removed = 0
+        notices: list[Any] = []
+        for value in self._run(calls).values:
+            _raise_unexpected(value)
+            if _ok(value):
+                removed += int(value[1])
+                notices += value[2]
+        if notices:
+            self._release_at_hosts(notices)
+        return removed
+
+    def _unpublish_call(self, arena: int, counter: str, args: list[Any]) -> Call:
+        from kvfabric.indexes.redis_shards import Call
+
+        prefix = arena_prefix(self._ns, arena)
+        return Call(
+            slot=key_slot(prefix),
+            args=("FCALL", "kvf1_unpublish", 1, prefix + b"m", self._grace_ms, counter, *args),
+        )
+
+    # -- upkeep, counters ---------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Read the registry if it changed, drop nodes whose liveness key expired, finish
+        dropping arenas, and now and then sweep every arena's leases and retired slots."""
+        try:
+            view = self._refresh()
+            for node in self._registry_call("kvf1_silent", read_only=True):
+                if self.remove_node(int(node)):
+                    self._count(nodes_expired=1)
+            if view.dropped:
+                self._drop_arenas(sorted(view.dropped))
+            now = time.monotonic()
+            if now - self._last_upkeep >= _UPKEEP_INTERVAL:
+                self._last_upkeep = now
+                self._run(
+                    [self._call(a, "kvf1_tick", self._grace_ms) for a in view.arenas.values()]
+                )
+        except ControllerUnavailableError:
+            pass  # the next tick tries again
+
+    def stats(self) -> dict[str, int]:
+        view = self._refresh()
+        arenas = list(view.arenas.values())
+        result = self._run([self._call(a, "kvf1_stats", read_only=True) for a in arenas])
+        totals = dict.fromkeys(_ARENA_COUNTERS, 0)
+        gauges = dict.fromkeys(("n_pub", "n_pend", "size", "free", "retired", "payload"), 0)
+        masters = self._shards.masters()
+        per_shard: dict[str, dict[str, int]] = {m: {"entries": 0, "used": 0} for m in masters}
+        for reply, shard in zip(result.values, result.shards, strict=True):
+            if isinstance(reply, Exception) or not reply or reply[0] is None:
+                continue
+            fields = {
+                reply[i].decode(): int(reply[i + 1]) if reply[i + 1].isdigit() else 0
+                for i in range(0, len(reply), 2)
+            }
+            for name in totals:
+                totals[name] += fields.get(name, 0)
+            for name in gauges:
+                gauges[name] += fields.get(name, 0)
+            used = fields.get("size", 0) - fields.get("free", 0) - fields.get("retired", 0)
+            slot = per_shard.setdefault(shard, {"entries": 0, "used": 0})
+            slot["entries"] += fields.get("n_pub", 0)
+            slot["used"] += used
+        with self._lock:
+            client = dict(self._counters)
+        out = {
+            **totals,
+            **client,
+            "nodes": len(view.nodes),
+            "arenas": len(arenas),
+            "entries": gauges["n_pub"],
+            "pending": gauges["n_pend"],
+            "capacity_bytes": gauges["size"],
+            "free_bytes": gauges["free"],
+            "retired_bytes": gauges["retired"],
+            "used_bytes": gauges["size"] - gauges["free"] - gauges["retired"],
+            "stored_payload_bytes": gauges["payload"],
+            "shards": len(masters),
+            "rounds": self._shards.rounds,
+            "round_trips": self._shards.round_trips,
+            "failed_round_trips": self._shards.failed_round_trips,
+            "topology_refreshes": self._shards.refreshes,
+        }
+        trips = self._shards.round_trips_by_master()
+        for i, master in enumerate(sorted(per_shard)):
+            out[f"shard{i}_entries"] = per_shard[master]["entries"]
+            out[f"shard{i}_used_bytes"] = per_shard[master]["used"]
+            out[f"shard{i}_round_trips"] = trips.get(master, 0)
+        return out
+
+    def round_trip_counts(self) -> dict[str, int]:
+        """Rounds and round trips this client made so far (``rounds``, ``round_trips``, and
+        one count per master address), read without asking Redis."""
+        return {
+            "rounds": self._shards.rounds,
+            "round_trips": self._shards.round_trips,
+            **self._shards.round_trips_by_master(),
+        }
+
+    @property
+    def namespace(self) -> str:
+        return self._ns
+
+    def home(self, key: bytes) -> tuple[int, int]:
+        """(node, region) of the arena that owns ``key``: where a grant for it is placed."""
+        arena = self._current().ring.arena_of(key)
+        return arena.node, arena.region
+
+    def shard_of(self, key: bytes) -> str:
+        """Address of the Redis master holding ``key``'s entry (where its lookups go)."""
+        view = self._current()
+        if not view.ring:
+            return ""
+        self._shards.refresh()
+        return self._shards.master_of(view.ring.arena_of(key).slot)
+
+    def purge(self) -> None:
+        """Delete everything this namespace holds in Redis (every node, entry and counter)."""
+        view = self._refresh(force=True)
+        for node in list(view.nodes):
+            self.remove_node(node)
+        view = self._refresh(force=True)
+        self._drop_arenas(sorted(set(view.arenas) | view.dropped))
+        self._registry_call("kvf1_purge")
+        with self._lock:
+            self._view = _EMPTY
+            self._stale = True
+
+    def close(self) -> None:
+        self._shards.close()
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _call(self, arena: Arena, function: str, *args: Any, read_only: bool = False) -> Call:
+        from kvfabric.indexes.redis_shards import Call
+
+        command = "FCALL_RO" if read_only else "FCALL"
+        return Call(slot=arena.slot, args=(command, function, 1, arena.meta, *args))
+
+    def _run(self, calls: Sequence[Call], *, wait_replicas: int = 0) -> Round:
+        """One round; raises ControllerUnavailableError when no master answered at all."""
+        result = self._shards.run(calls, wait_replicas=wait_replicas)
+        failed = sum(isinstance(v, ControllerUnavailableError) for v in result.values)
+        if failed:
+            self._count(unavailable_calls=1)
+            if failed == len(calls):
+                first = next(v for v in result.values if isinstance(v, Exception))
+                raise first
+        return result
+
+    @staticmethod
+    def _by_arena(
+        items: Iterable[tuple[Arena, list[Any]]],
+    ) -> list[tuple[Arena, list[int], list[Any]]]:
+        """Items grouped by arena: (arena, item positions, concatenated arguments)."""
+        groups: dict[int, tuple[Arena, list[int], list[Any]]] = {}
+        for position, (arena, args) in enumerate(items):
+            group = groups.get(arena.id)
+            if group is None:
+                group = groups[arena.id] = (arena, [], [])
+            group[1].append(position)
+            group[2].extend(args)
+        return list(groups.values())
+
+    @staticmethod
+    def _group_keys(view: _View, keys: Sequence[bytes]) -> list[tuple[Arena, list[int], list[Any]]]:
+        arena_of = view.ring.arena_of
+        return RedisIndex._by_arena((arena_of(k), [k]) for k in keys)
+
+    def _gone(self) -> None:
+        with self._lock:
+            self._stale = True
+            self._counters["stale_arenas"] += 1
+
+    def _count(self, **amounts: int) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                self._counters[name] += amount
+
+
+def _ok(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and value[0] == b"ok"
+
+
+def _raise_unexpected(value: Any) -> None:
+    """A function failing inside Redis is a bug, not an outage: never read it as a miss."""
+    if isinstance(value, Exception) and not isinstance(value, ControllerUnavailableError):
+        raise value
+
+
+@hookimpl
+def kvfabric_register_indexes(registry: Registry[IndexPlugin]) -> None:
+    registry.add(RedisIndex.name, RedisIndex)

@@ -1,0 +1,200 @@
+"""Where the redis index keeps things: key names, arenas, the ring that places keys, entries.
+
+An *arena* is a contiguous part of one data node's region together with the index state of
+every record placed in it: its entries, free extents, retired slots and grants, all in ONE
+Redis hash slot (keys sharing a ``{hash tag}``), so one server-side function changes them
+atomically, in Redis Cluster too. Arena tags are picked so that arena ``n`` lands on slot
+``⌊frac(n·φ)·16384⌋``: consecutive arenas spread evenly over the slot space, hence over the
+masters, whatever their number.
+
+A key belongs to one arena, chosen by consistent hashing on a ring of points that every
+client computes from the registry alone (points per arena ∝ its size). A point is derived
+from the arena's *identity* (node name, region, index in the region), not from its id: a node
+that comes back with the same regions gets the same keys back, and a new node takes over
+only the keys that now fall on its points.
+"""
+
+from __future__ import annotations
+
+import binascii
+import bisect
+import hashlib
+import math
+import re
+import struct
+import threading
+from collections.abc import Sequence
+
+import attrs
+
+from kvfabric.descriptor import Descriptor
+from kvfabric.errors import ConfigError
+
+__all__ = [
+    "SLOTS",
+    "Arena",
+    "Ring",
+    "arena_prefix",
+    "decode_entry",
+    "key_slot",
+    "registry_key",
+    "version_bytes",
+]
+
+SLOTS = 16384
+_PHI = (math.sqrt(5) - 1) / 2
+_NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# An entry: state, offset, payload length, version (8 bytes), crc32c, retention; an entry
+# whose record lives in another arena adds node, region, rkey (8 bytes), that arena.
+_ENTRY = struct.Struct("<BQQ8sII")
+_FOREIGN = struct.Struct("<II8sQ")
+_FOREIGN_STATE = 3
+# Ring points per arena: ∝ size (128 per GiB), bounded so tiny arenas (tests) still spread
+# and huge ones do not make the ring slow to build.
+_POINTS_PER_GIB = 128
+_MIN_POINTS, _MAX_POINTS = 32, 2048
+
+_tags: dict[int, str] = {}
+_tags_lock = threading.Lock()
+
+
+def key_slot(name: bytes) -> int:
+    """Redis Cluster's slot of a key name (CRC16 of its hash tag, or of the whole name)."""
+    start = name.find(b"{")
+    if start >= 0:
+        end = name.find(b"}", start + 1)
+        if end > start + 1:
+            name = name[start + 1 : end]
+    return binascii.crc_hqx(name, 0) % SLOTS
+
+
+def _tag_for_slot(slot: int) -> str:
+    """A short hash tag whose slot is ``slot`` (found once per process, then remembered)."""
+    with _tags_lock:
+        if not _tags:
+            i = 0
+            while len(_tags) < SLOTS:
+                tag = format(i, "x")
+                _tags.setdefault(binascii.crc_hqx(tag.encode(), 0) % SLOTS, tag)
+                i += 1
+        return _tags[slot]
+
+
+def check_namespace(namespace: str) -> str:
+    if not _NAMESPACE.match(namespace):
+        raise ConfigError(
+            f"redis namespace {namespace!r}: use 1-64 letters, digits, '_', '-' or '.'"
+        )
+    return namespace
+
+
+def registry_key(namespace: str) -> bytes:
+    """The registry's counters hash; the registry's other keys share its ``{namespace}`` tag."""
+    return f"{{{namespace}}}:next".encode()
+
+
+def arena_prefix(namespace: str, arena: int) -> bytes:
+    """Prefix of an arena's keys; its meta hash is the prefix followed by ``m``."""
+    slot = int(math.modf(arena * _PHI)[0] * SLOTS) % SLOTS
+    return f"{{{_tag_for_slot(slot)}}}{namespace}:a{arena}:".encode()
+
+
+def version_bytes(version: int) -> bytes:
+    """A version as the functions keep it: 8 opaque little-endian bytes."""
+    return version.to_bytes(8, "little")
+
+
+@attrs.frozen(kw_only=True)
+class Arena:
+    """One arena as the registry records it."""
+
+    id: int
+    node: int
+    name: str
+    """The node's name: with region and index, the arena's identity on the ring."""
+    region: int
+    index: int
+    base: int
+    size: int
+    rkey: int
+    restoring: bool
+    prefix: bytes
+
+    @property
+    def meta(self) -> bytes:
+        return self.prefix + b"m"
+
+    @property
+    def slot(self) -> int:
+        return key_slot(self.prefix)
+
+    def holds(self, region: int, offset: int, size: int) -> bool:
+        return region == self.region and self.base <= offset and offset + size <= self.end
+
+    @property
+    def end(self) -> int:
+        return self.base + self.size
+
+    @classmethod
+    def parse(cls, namespace: str, arena: int, record: bytes, names: dict[int, str]) -> Arena:
+        """From the registry's record ``node|region|index|base|size|rkey|restoring``."""
+        node, region, index, base, size, rkey, restoring = record.decode().split("|")
+        return cls(
+            id=arena,
+            node=int(node),
+            name=names.get(int(node), ""),
+            region=int(region),
+            index=int(index),
+            base=int(base),
+            size=int(size),
+            rkey=int(rkey),
+            restoring=restoring == "1",
+            prefix=arena_prefix(namespace, arena),
+        )
+
+
+class Ring:
+    """Consistent hashing of keys onto arenas (deterministic from the arenas alone)."""
+
+    def __init__(self, arenas: Sequence[Arena]) -> None:
+        points: list[tuple[int, int]] = []
+        for index, arena in enumerate(arenas):
+            identity = f"{arena.name}\0{arena.region}\0{arena.index}\0".encode()
+            for i in range(_points(arena.size)):
+                digest = hashlib.blake2b(identity + str(i).encode(), digest_size=8).digest()
+                points.append((int.from_bytes(digest, "little"), index))
+        points.sort()
+        self._positions = [position for position, _ in points]
+        self._owners = [owner for _, owner in points]
+        self.arenas = tuple(arenas)
+
+    def __bool__(self) -> bool:
+        return bool(self._positions)
+
+    def arena_of(self, key: bytes) -> Arena:
+        """The arena a key belongs to (the ring must not be empty)."""
+        position = int.from_bytes(key[:8], "little")
+        i = bisect.bisect_right(self._positions, position) % len(self._positions)
+        return self.arenas[self._owners[i]]
+
+
+def _points(size: int) -> int:
+    return max(_MIN_POINTS, min(_MAX_POINTS, size * _POINTS_PER_GIB >> 30))
+
+
+def decode_entry(key: bytes, raw: bytes, node: int, region: int, rkey: int) -> Descriptor:
+    """A descriptor from an entry; ``node``, ``region``, ``rkey``: its arena's."""
+    state, offset, length, version, crc, _ = _ENTRY.unpack_from(raw)
+    if state == _FOREIGN_STATE:
+        node, region, rkey_bytes, _ = _FOREIGN.unpack_from(raw, _ENTRY.size)
+        rkey = int.from_bytes(rkey_bytes, "little")
+    return Descriptor(
+        key=key,
+        node=node,
+        region=region,
+        offset=offset,
+        length=length,
+        rkey=rkey,
+        version=int.from_bytes(version, "little"),
+        crc=crc,
+    )

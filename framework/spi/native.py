@@ -11,7 +11,11 @@ still works; :func:`gil_reacquisitions` counts every return, for tests.
 
 Batches of CRC32C and copies smaller than :data:`GIL_RELEASE_MIN` bytes keep the GIL: that
 work (tens of microseconds) costs a busy neighbour less than the switch interval the call
-would wait out to get it back. Socket loops always release it, since they may wait.
+would wait out to get it back. Socket calls of that size first move what they can without
+waiting while they hold the GIL (a send that fits the socket buffer, bytes that already
+arrived), and release it at their first wait; larger ones release it at once. So a call
+takes the GIL back at most once, and not at all when it has nothing to wait for and
+little to move.
 
 The loops are C (``framework/spi/csrc``: plain C API with ``Py_buffer``, which pins and
 exposes any buffer — bytes, bytearray, mmap, numpy, memoryview — and needs no run-time
@@ -172,7 +176,8 @@ def exchange(
 def gil_reacquisitions() -> int:
     """How many times this module's calls took the GIL back, in the calling thread.
 
-    One per call that released it (a batch of at least :data:`GIL_RELEASE_MIN` bytes, or
-    any socket call), plus one per signal that interrupted a socket wait.
+    One per call that released it (a batch of at least :data:`GIL_RELEASE_MIN` bytes, a
+    socket call that large or that had to wait), plus one per signal that interrupted a
+    socket wait.
     """
     return _native.gil_reacquisitions()

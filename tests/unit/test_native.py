@@ -552,6 +552,40 @@ def test_an_exchange_takes_the_gil_back_once(
     assert targets == [bytearray(p) for p in payloads]
 
 
+def test_a_small_socket_call_with_nothing_to_wait_for_keeps_the_gil(
+    tcp_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    client, server = tcp_pair
+    before = native.gil_reacquisitions()
+    native.send_all(client, [b"x" * 1000] * 10, time.monotonic() + 30)  # fits the buffer
+    assert native.gil_reacquisitions() - before == 0
+    time.sleep(0.05)  # let it arrive
+    out = bytearray(10_000)
+    native.recv_into_all(server, [out], time.monotonic() + 30)
+    assert native.gil_reacquisitions() - before == 0
+    assert out == b"x" * 10_000
+
+
+def test_a_small_socket_call_that_waits_takes_the_gil_back_once(
+    tcp_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    client, server = tcp_pair
+    join = _in_thread(lambda: _serve_once(server, bytes(3), [b"a", b"b", b"c"]))
+    targets = [bytearray(1) for _ in range(3)]
+    before = native.gil_reacquisitions()
+    native.exchange(
+        client,
+        [_HEAD.pack(b"KVFT", 3), bytes(3)],
+        bytearray(_HEAD.size + 3),
+        targets,
+        time.monotonic() + 30,
+        status_offset=_HEAD.size,
+    )
+    assert native.gil_reacquisitions() - before == 1  # the wait for the reply
+    join()
+    assert targets == [b"a", b"b", b"c"]
+
+
 def test_gil_reacquisitions_are_counted_per_thread() -> None:
     before = native.gil_reacquisitions()
     _in_thread(lambda: native.crc32c(DATA))()

@@ -7,7 +7,8 @@
  * Python objects (buffers, with their exports held so nothing can resize them) while it
  * holds the GIL, checks them, releases the GIL once for the whole batch, and takes it back
  * once at the end: the only extra returns are for signals arriving during a socket wait
- * (so Ctrl-C still works), counted like every return by gil_reacquisitions().
+ * (so Ctrl-C still works), counted like every return by gil_reacquisitions(). Small
+ * batches keep the GIL (GIL_RELEASE_MIN); small socket calls release it only to wait.
  *
  * Plain C API with Py_buffer rather than cffi: the buffer protocol gives the pointer and
  * length of any exporter (bytes, bytearray, mmap, numpy, memoryview) and pins it, the
@@ -502,20 +503,49 @@ static struct iovec *iovecs_of(const Py_buffer *v, Py_ssize_t n) {
     return iov;
 }
 
-/* Run a stream to its end with the GIL released; the GIL is taken back only to run signal
-   handlers. Returns the stream status, or -1 with an exception set (a handler raised).
-   Called without the GIL; `*ts` is the saved thread state. */
-static int run_released(kvf_stream *s, PyThreadState **ts) {
+/* Where a socket call stands with the GIL: held (ts NULL) or released (ts saved). */
+typedef struct {
+    PyThreadState *ts;
+    int try_first; /* small call: try without waiting, GIL held, before releasing it */
+} Gil;
+
+/* Run a stream to its end; returns its status, or -1 with an exception set (a signal
+   handler raised). A small call first moves what it can without waiting while it holds the
+   GIL: a send that fits the socket buffer, or bytes that already arrived, then cost no
+   return of the GIL. From the first wait on, the GIL is released, and taken back only to
+   run signal handlers, until the caller's gil_end. */
+static int run_stream(kvf_stream *s, Gil *g) {
+    if (!g->ts && g->try_first) {
+        s->no_wait = 1;
+        int rc = kvf_stream_run(s);
+        s->no_wait = 0;
+        if (rc != KVF_WOULD_WAIT && rc != KVF_INTERRUPTED)
+            return rc;
+    }
+    if (!g->ts)
+        RELEASE_GIL(g->ts);
     for (;;) {
         int rc = kvf_stream_run(s);
         if (rc != KVF_INTERRUPTED)
             return rc;
-        TAKE_GIL(*ts);
+        TAKE_GIL(g->ts);
         int bad = PyErr_CheckSignals();
-        RELEASE_GIL(*ts);
+        RELEASE_GIL(g->ts);
         if (bad < 0)
             return -1;
     }
+}
+
+static void gil_end(Gil *g) {
+    if (g->ts)
+        TAKE_GIL(g->ts);
+}
+
+static size_t total_len(const Py_buffer *v, Py_ssize_t n) {
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        total += (size_t)v[i].len;
+    return total;
 }
 
 static PyObject *peer_closed(const char *func, uint64_t received) {
@@ -609,10 +639,9 @@ static PyObject *py_send_all(PyObject *self, PyObject *args, PyObject *kwargs) {
     }
     kvf_stream s;
     stream_init(&s, fd, 1, bufs, (size_t)n, deadline, scratch);
-    PyThreadState *ts;
-    RELEASE_GIL(ts);
-    int rc = run_released(&s, &ts);
-    TAKE_GIL(ts);
+    Gil g = {NULL, total_len(vs.v, n) < GIL_RELEASE_MIN};
+    int rc = run_stream(&s, &g);
+    gil_end(&g);
     result = rc == KVF_DONE ? PyLong_FromUnsignedLongLong(s.moved)
                             : stream_error("send_all", rc, &s, s.moved, 0);
 done:
@@ -670,10 +699,9 @@ static PyObject *py_recv_into_all(PyObject *self, PyObject *args, PyObject *kwar
         s.crcs = crcs;
         s.window = RECV_CRC_WINDOW;
     }
-    PyThreadState *ts;
-    RELEASE_GIL(ts);
-    int rc = run_released(&s, &ts);
-    TAKE_GIL(ts);
+    Gil g = {NULL, total_len(vs.v, n) < GIL_RELEASE_MIN};
+    int rc = run_stream(&s, &g);
+    gil_end(&g);
     result = rc == KVF_DONE ? crc_list(crcs, nspans) : stream_error(func, rc, &s, 0, s.moved);
 done:
     views_release(&vs);
@@ -751,14 +779,13 @@ static PyObject *py_exchange(PyObject *self, PyObject *args, PyObject *kwargs) {
     const unsigned char *status = (const unsigned char *)reply_view->buf + status_offset;
     uint64_t sent = 0, received = 0;
     kvf_stream s;
-    PyThreadState *ts;
-    RELEASE_GIL(ts);
+    Gil g = {NULL, total_len(vs.v, nsend + 1 + npay) < GIL_RELEASE_MIN};
     stream_init(&s, fd, 1, send_iov, (size_t)nsend, deadline, scratch);
-    int rc = run_released(&s, &ts);
+    int rc = run_stream(&s, &g);
     sent = s.moved;
     if (rc == KVF_DONE) {
         stream_init(&s, fd, 0, reply_iov, 1, deadline, scratch);
-        rc = run_released(&s, &ts);
+        rc = run_stream(&s, &g);
         received = s.moved;
     }
     if (rc == KVF_DONE) {
@@ -777,10 +804,10 @@ static PyObject *py_exchange(PyObject *self, PyObject *args, PyObject *kwargs) {
             s.crcs = crcs;
             s.window = RECV_CRC_WINDOW;
         }
-        rc = run_released(&s, &ts);
+        rc = run_stream(&s, &g);
         received += s.moved;
     }
-    TAKE_GIL(ts);
+    gil_end(&g);
     result = rc == KVF_DONE ? crc_list(crcs, nspans) : stream_error(func, rc, &s, sent, received);
 done:
     views_release(&vs);

@@ -113,6 +113,8 @@ int kvf_stream_run(kvf_stream *s) {
             s->err = errno;
             return KVF_ERRNO;
         }
+        if (s->no_wait)
+            return KVF_WOULD_WAIT;
         int rc = wait_ready(s);
         if (rc != KVF_DONE)
             return rc;

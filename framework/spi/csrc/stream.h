@@ -19,6 +19,7 @@ enum kvf_status {
     KVF_TIMEOUT = 2,     /* the deadline passed while waiting */
     KVF_INTERRUPTED = 3, /* a signal arrived while waiting: run handlers, then resume */
     KVF_ERRNO = 4,       /* a system call failed: `err` holds errno */
+    KVF_WOULD_WAIT = 5,  /* `no_wait` is set and the socket is not ready */
 };
 
 typedef struct {
@@ -29,6 +30,7 @@ typedef struct {
     const int32_t *span_of; /* per buffer: the CRC it feeds, or -1; NULL: no CRCs */
     uint32_t *crcs;         /* the running CRC of each span */
     size_t window;          /* at most this many bytes per system call (0: no limit) */
+    int no_wait;            /* return KVF_WOULD_WAIT instead of waiting */
     int64_t deadline_ns;    /* CLOCK_MONOTONIC; negative: none */
     struct iovec *iov;      /* scratch of iov_max entries (caller-owned) */
     size_t iov_max;

@@ -17,12 +17,14 @@ takes it back once per batch. Rows:
   socket baseline) vs ``native.recv_into_all``; and with a CRC per value after landing vs
   the fused ``recv_into_all(crc_spans=...)``.
 
-Rows are sampled in rounds, each row in turn, and medians printed: GB/s alone and beside
-the busy thread, their ratio, each row alone against its group's baseline (its first row),
-the share of its idle counting rate the busy thread kept, and how many times a batch took
-the GIL back (native rows: counted by the module; Python rows: their GIL-releasing calls).
-On a machine with fewer idle cores than the two threads need, CPU contention lowers the
-"beside" column of every row alike; the GIL returns column does not depend on the load.
+Rows are sampled in rounds, each row in turn, and medians printed: GB/s alone, beside the
+busy thread, and beside the same loop in a busy *process* (the CPU it takes, without the
+GIL); then their ratios. ``thread/alone`` is what an engine sees; ``thread/process`` is the
+GIL's share of it, apart from CPU contention, which on a machine with fewer idle cores
+than the threads need lowers both "beside" columns alike. Then each row alone against its
+group's baseline (its first row), the share of its idle counting rate the busy thread kept,
+and how many times a batch took the GIL back (native rows: counted by the module; Python
+rows: their GIL-releasing calls), which does not depend on the machine's load.
 """
 
 from __future__ import annotations
@@ -72,6 +74,24 @@ class Busy:
         self._thread.join()
 
 
+class BusyProcess:
+    """The same counting loop in a process of its own: the CPU it takes, without the GIL."""
+
+    def __enter__(self) -> BusyProcess:
+        self._child = subprocess.Popen(
+            [sys.executable, "-c", "print(flush=True)\nn = 0\nwhile True:\n    n += 1"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._child.stdout is not None
+        self._child.stdout.readline()  # it is running
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._child.kill()
+        self._child.wait()
+
+
 def _loop(fn: Row, seconds: float) -> tuple[int, float, int]:
     """Run ``fn`` repeatedly for about ``seconds``: (batches, elapsed, GIL returns per batch)."""
     batches = returns = 0
@@ -91,11 +111,9 @@ def _idle_rate(seconds: float) -> float:
         return (busy.count - start) / (time.perf_counter() - t0)
 
 
-def sample(
-    fn: Row, batch_bytes: int, seconds: float, idle: float
-) -> tuple[float, float, float, float]:
-    """GB/s alone, GB/s beside the busy thread, the share of its idle rate the thread kept,
-    and the GIL returns per batch."""
+def sample(fn: Row, batch_bytes: int, seconds: float, idle: float) -> tuple[float, ...]:
+    """GB/s alone, beside the busy thread and beside the busy process; the share of its idle
+    rate the busy thread kept; the GIL returns per batch."""
     batches, elapsed, returns = _loop(fn, seconds)
     alone = batches * batch_bytes / elapsed / 1e9
     with Busy() as busy:
@@ -103,7 +121,11 @@ def sample(
         t0 = time.perf_counter()
         batches, elapsed, _ = _loop(fn, seconds)
         kept = (busy.count - start) / (time.perf_counter() - t0) / idle
-    return alone, batches * batch_bytes / elapsed / 1e9, kept, returns
+    thread = batches * batch_bytes / elapsed / 1e9
+    with BusyProcess():
+        batches, elapsed, _ = _loop(fn, seconds)
+    process = batches * batch_bytes / elapsed / 1e9
+    return alone, thread, process, kept, returns
 
 
 # -- the rows -----------------------------------------------------------------------------
@@ -271,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
             fn()  # warm up: page faults, socket windows
         # Rounds of every row in turn, medians reported: load from elsewhere on the machine
         # hits every row alike.
-        samples: list[list[tuple[float, float, float, float]]] = [[] for _ in rows]
+        samples: list[list[tuple[float, ...]]] = [[] for _ in rows]
         for _ in range(args.rounds):
             idle = _idle_rate(0.2)
             for (_, fn), taken in zip(rows, samples, strict=True):
@@ -281,23 +303,33 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.seconds:g} s per cell; switch interval {sys.getswitchinterval() * 1e3:g} ms; "
             f"hardware CRC32C: {native.HARDWARE_CRC32C}"
         )
-        print(
-            f"{'path':48} {'alone':>8} {'beside busy':>12} {'ratio':>6} "
-            f"{'vs baseline':>12} {'busy kept':>10} {'GIL returns':>12}"
-        )
-        print(f"{'':48} {'GB/s':>8} {'GB/s':>12} {'':>6} {'':>12} {'':>10} {'per batch':>12}")
+        heads = ("alone", "thread", "process", "thread/", "process/", "thread/", "vs")
+        heads2 = ("GB/s", "GB/s", "GB/s", "alone", "alone", "process", "baseline")
+        print(f"{'path':48}" + "".join(f"{h:>9}" for h in heads) + f"{'busy':>7}{'GIL':>6}")
+        print(f"{'':48}" + "".join(f"{h:>9}" for h in heads2) + f"{'kept':>7}{'rets':>6}")
         at = 0
         for group in groups:
             baseline: float | None = None
             for name, _ in group:
-                alone, busy, kept, returns = (
+                alone, thread, process, kept, returns = (
                     statistics.median(column) for column in zip(*samples[at], strict=True)
                 )
                 at += 1
                 baseline = baseline or alone
+                cells = (
+                    alone,
+                    thread,
+                    process,
+                    thread / alone,
+                    process / alone,
+                    thread / process,
+                    alone / baseline,
+                )
                 print(
-                    f"{name:48} {alone:8.2f} {busy:12.2f} {busy / alone:6.2f} "
-                    f"{alone / baseline:11.2f}x {kept:10.2f} {returns:12.0f}"
+                    f"{name:48}"
+                    + "".join(f"{c:9.2f}" for c in cells)
+                    + f"{kept:7.2f}{returns:6.0f}",
+                    flush=True,
                 )
         sock.sendall(_REQUEST.pack(0, 0))
         sock.close()

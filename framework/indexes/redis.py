@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvfabric.descriptor import Descriptor
-from kvfabric.errors import ConfigError, ControllerUnavailableError
+from kvfabric.errors import ConfigError, ControllerUnavailableError, RemoteError
 from kvfabric.indexes.redis_layout import (
     Arena,
     Ring,
@@ -63,7 +63,7 @@ from kvfabric.spi import (
 if TYPE_CHECKING:
     from kvfabric.indexes.redis_shards import Call, Round, ShardSet
 
-__all__ = ["RedisIndex"]
+__all__ = ["NameInUseError", "RedisIndex"]
 
 _LIBRARY_NAME = "kvfabric1"
 _KINDS = {
@@ -107,6 +107,10 @@ _ARENA_COUNTERS = (
     "restore_overlaps",
     "hosted_drops",
 )
+
+
+class NameInUseError(RemoteError):
+    """A node registered under a name a live node of another process holds."""
 
 
 def _url(text: str) -> str:
@@ -306,7 +310,7 @@ class RedisIndex(IndexPlugin):
         regions: list[Any] = []
         for region in info.regions:
             regions += [region.id, region.size, region.rkey]
-        incarnation, _, created, dropped = self._registry_call(
+        reply = self._registry_call(
             "kvf1_register",
             node_id,
             1 if info.restoring else 0,
@@ -314,8 +318,15 @@ class RedisIndex(IndexPlugin):
             SLOT_ALIGN,
             self._node_ttl_ms if self._node_ttl_ms > 0 else 0,
             registered.to_bytes(),
+            info.instance,
             *regions,
         )
+        if reply[0] == b"in-use":
+            raise NameInUseError(
+                f"node name {info.name!r} belongs to a live node of another process; it is "
+                f"released {int(reply[1]) / 1000:.1f}s from now unless that node heartbeats"
+            )
+        _, incarnation, _, created, dropped = reply
         view = self._refresh()
         self._init_arenas([view.arenas[int(a)] for a in created if int(a) in view.arenas])
         self._drop_arenas([int(a) for a in dropped])
@@ -777,6 +788,14 @@ class RedisIndex(IndexPlugin):
     @property
     def namespace(self) -> str:
         return self._ns
+
+    @property
+    def epoch(self) -> int:
+        """The registry's epoch as last read (by ``tick``, ``nodes`` or a registration):
+        it moves whenever a node registers or goes, so routes cached by node can be
+        checked without asking Redis."""
+        with self._lock:
+            return self._view.epoch
 
     def home(self, key: bytes) -> tuple[int, int]:
         """(node, region) of the arena that owns ``key``: where a grant for it is placed."""

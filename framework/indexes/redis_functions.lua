@@ -854,13 +854,22 @@ local function node_id(keys, args)
   return id
 end
 
--- ARGV: id, restoring, arena_size, align, ttl_ms, node info, then (region, size, rkey) per
--- region. A new incarnation; arenas of unchanged regions are kept, the others replaced.
--- Returns incarnation, epoch, {created arena ids}, {dropped arena ids}.
+-- ARGV: id, restoring, arena_size, align, ttl_ms, node info, instance, then (region, size,
+-- rkey) per region. A new incarnation; arenas of unchanged regions are kept, the others
+-- replaced. A name whose node is alive (its liveness key stands) and was registered by
+-- another process (instance) is refused: {'in-use', ms left}. Returns 'ok', incarnation,
+-- epoch, {created arena ids}, {dropped arena ids}.
 local function register(keys, args)
   local R = registry_prefix(keys)
   local id, restoring = args[1], args[2] == '1'
   local arena_size, align, ttl = tonumber(args[3]), tonumber(args[4]), tonumber(args[5])
+  local instance = args[7]
+  local held_by = redis.call('HGET', R .. 'instance', id)
+  if held_by and held_by ~= instance then
+    local left = redis.call('PTTL', R .. 'alive:' .. id)
+    if left > 0 then return {'in-use', left} end
+  end
+  redis.call('HSET', R .. 'instance', id, instance)
   local inc = redis.call('HINCRBY', keys[1], 'incarnation', 1)
   redis.call('HSET', R .. 'nodes', id, args[6])
   redis.call('HSET', R .. 'inc', id, fmt(inc))
@@ -869,7 +878,7 @@ local function register(keys, args)
   local held = redis.call('HGETALL', R .. 'na:' .. id)
   for i = 1, #held, 2 do mine[held[i]] = held[i + 1] end
   local created, keep = {}, {}
-  for i = 7, #args, 3 do
+  for i = 8, #args, 3 do
     local region, rkey = args[i], args[i + 2]
     local size = tonumber(args[i + 1])
     size = size - size % align
@@ -913,7 +922,7 @@ local function register(keys, args)
     redis.call('DEL', R .. 'alive:' .. id)
   end
   local epoch = redis.call('HINCRBY', keys[1], 'epoch', 1)
-  return {inc, epoch, created, dropped}
+  return {'ok', inc, epoch, created, dropped}
 end
 
 -- ARGV: id. Forget a node (its name keeps its id). Returns 1 and {dropped arena ids}, or 0.
@@ -923,6 +932,7 @@ local function remove(keys, args)
   if redis.call('HDEL', R .. 'nodes', id) == 0 then return {0, {}} end
   redis.call('HDEL', R .. 'inc', id)
   redis.call('HDEL', R .. 'ttl', id)
+  redis.call('HDEL', R .. 'instance', id)
   local held = redis.call('HGETALL', R .. 'na:' .. id)
   local dropped = {}
   for i = 2, #held, 2 do
@@ -986,8 +996,8 @@ local function purge(keys, args)
   local R = registry_prefix(keys)
   local ids = redis.call('HVALS', R .. 'ids')
   for _, id in ipairs(ids) do redis.call('DEL', R .. 'na:' .. id, R .. 'alive:' .. id) end
-  redis.call('DEL', R .. 'ids', R .. 'nodes', R .. 'inc', R .. 'ttl', R .. 'arenas',
-    R .. 'dropped', keys[1])
+  redis.call('DEL', R .. 'ids', R .. 'nodes', R .. 'inc', R .. 'ttl', R .. 'instance',
+    R .. 'arenas', R .. 'dropped', keys[1])
   return 1
 end
 

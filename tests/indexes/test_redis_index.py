@@ -11,13 +11,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import attrs
 import pytest
 from redis_fixtures import keys_left, redis_index
 
 from kvfabric._tools.redis_cluster import RedisDeployment
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ConfigError, PluginUnavailableError
-from kvfabric.indexes.redis import RedisIndex
+from kvfabric.indexes.redis import NameInUseError, RedisIndex
 from kvfabric.keys import fold_key
 from kvfabric.spi import (
     AllocationKind,
@@ -263,6 +264,25 @@ def test_a_node_that_stops_heartbeating_is_dropped_with_its_entries(
         index.close()
 
 
+def test_a_live_nodes_name_is_refused_to_another_process(redis_single: RedisDeployment) -> None:
+    index = redis_index(redis_single, IndexConfig(), node_ttl="500ms")
+    assert isinstance(index, RedisIndex)
+    try:
+        first = index.register_node(attrs.evolve(_node("n1", _MIB), instance=1))
+        # The same process registering again is a restart of the node: fine.
+        again = index.register_node(attrs.evolve(_node("n1", _MIB), instance=1))
+        assert again.id == first.id
+        with pytest.raises(NameInUseError, match="belongs to a live node"):
+            index.register_node(attrs.evolve(_node("n1", _MIB), instance=2))
+        time.sleep(0.7)  # n1 stopped heartbeating: its name is free
+        taken = index.register_node(attrs.evolve(_node("n1", _MIB), instance=2))
+        assert taken.id == first.id
+        assert taken.incarnation > again.incarnation
+    finally:
+        index.purge()
+        index.close()
+
+
 def test_eviction_takes_the_least_recently_read_entry(redis_single: RedisDeployment) -> None:
     """Recency is Redis's own LRU clock of the entry (OBJECT IDLETIME, 1 s resolution)."""
     index = redis_index(redis_single, IndexConfig(grace=0.0, headroom=0.0))
@@ -308,6 +328,38 @@ def test_a_record_restored_where_another_arena_owns_its_key(redis_single: RedisD
         assert index.restore(one.id, [record]) == 1
         assert index.remove_node(one.id) == 1
         assert index.exists([key]) == [False]
+    finally:
+        index.purge()
+        index.close()
+
+
+def test_evicting_a_restored_record_drops_its_entry_in_the_other_arena(
+    redis_single: RedisDeployment,
+) -> None:
+    index = redis_index(redis_single, IndexConfig(grace=0.0, headroom=0.0))
+    assert isinstance(index, RedisIndex)
+    try:
+        one = index.register_node(_node("n1", 4 * record_size(1000), restoring=True))
+        two = index.register_node(_node("n2", _MIB, restoring=True))
+        candidates = _keys(400)
+        key = next(k for k in candidates if index.home(k)[0] == two.id)
+        record = Descriptor(
+            key=key, node=0, region=0, offset=0, length=1000, rkey=0, version=9, crc=1
+        )
+        assert index.restore(one.id, [record]) == 1
+        index.restore_done(one.id)
+        index.restore_done(two.id)
+        time.sleep(0.05)
+        # Fill node 1: the restored record (unread since) is the cheapest to evict.
+        local = [k for k in candidates if index.home(k)[0] == one.id][:4]
+        assert _put(index, local[:3]) == [AllocationKind.GRANTED] * 3
+        result = index.allocate([AllocationRequest(key=local[3], length=1000)])
+        assert result.allocations[0].kind is AllocationKind.GRANTED
+        assert result.allocations[0].descriptor is not None
+        assert result.allocations[0].descriptor.offset == 0
+        assert result.evictions == 1
+        assert index.exists([key]) == [False]
+        assert index.stats()["hosted_drops"] == 1
     finally:
         index.purge()
         index.close()

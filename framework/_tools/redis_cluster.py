@@ -72,18 +72,26 @@ class RedisProcess:
 class RedisDeployment:
     """Redis servers this process started; a context manager that stops them on exit."""
 
-    def __init__(self, directory: Path, *, cluster: bool) -> None:
+    def __init__(
+        self, directory: Path, *, cluster: bool, password: str = "", tls: bool = False
+    ) -> None:
         self.directory = directory
         self.is_cluster = cluster
+        self.password = password
+        self.tls = tls
         self.servers: list[RedisProcess] = []
 
     # -- starting --------------------------------------------------------------------------
 
     @classmethod
-    def single(cls) -> RedisDeployment:
-        """One server, cluster mode off."""
-        deployment = cls(Path(tempfile.mkdtemp(prefix="kvfabric-redis-")), cluster=False)
+    def single(cls, *, password: str = "", tls: bool = False) -> RedisDeployment:
+        """One server, cluster mode off; with ``password`` it requires AUTH, with ``tls`` it
+        speaks only TLS (a certificate authority made here signs its certificate)."""
+        directory = Path(tempfile.mkdtemp(prefix="kvfabric-redis-"))
+        deployment = cls(directory, cluster=False, password=password, tls=tls)
         try:
+            if tls:
+                _make_certificates(directory)
             deployment._start_server(cluster=False, node_timeout_ms=0)
             deployment._wait_ping(deployment.servers[0])
         except BaseException:
@@ -151,6 +159,20 @@ class RedisDeployment:
             "--repl-diskless-sync-delay",
             "0",
         ]
+        if self.password:
+            args += ["--requirepass", self.password]
+        if self.tls:
+            args[1:3] = ["--port", "0", "--tls-port", str(port)]
+            args += [
+                "--tls-cert-file",
+                str(self.directory / "server.crt"),
+                "--tls-key-file",
+                str(self.directory / "server.key"),
+                "--tls-ca-cert-file",
+                str(self.directory / "ca.crt"),
+                "--tls-auth-clients",
+                "no",
+            ]
         if cluster:
             args += [
                 "--cluster-enabled",
@@ -193,14 +215,28 @@ class RedisDeployment:
 
     @property
     def url(self) -> str:
-        """A ``redis://`` URL of a live server (for a cluster: any node; it finds the rest)."""
+        """A URL of a live server (for a cluster: any node; it finds the rest): ``redis://``,
+        or ``rediss://`` naming the certificate authority; with the password if one is set."""
         live = [s for s in self.servers if s.alive]
-        return f"redis://127.0.0.1:{live[0].port}"
+        auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            ca = self.directory / "ca.crt"
+            return f"rediss://{auth}127.0.0.1:{live[0].port}?ssl_ca_certs={ca}"
+        return f"redis://{auth}127.0.0.1:{live[0].port}"
 
     def client(self, port: int) -> Any:
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5.0)
+        extra: dict[str, Any] = {}
+        if self.tls:
+            extra = {"ssl": True, "ssl_ca_certs": str(self.directory / "ca.crt")}
+        return redis.Redis(
+            host="127.0.0.1",
+            port=port,
+            socket_timeout=5.0,
+            password=self.password or None,
+            **extra,
+        )
 
     def masters(self) -> dict[int, list[tuple[int, int]]]:
         """Live masters by port, with the slot ranges each serves (cluster only)."""
@@ -321,6 +357,48 @@ class RedisDeployment:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _make_certificates(directory: Path) -> None:
+    """A throw-away certificate authority and a certificate for 127.0.0.1 it signs."""
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    openssl("genrsa", "-out", "ca.key", "2048")
+    openssl(
+        "req",
+        "-x509",
+        "-new",
+        "-key",
+        "ca.key",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=kvfabric-test-ca",
+        "-out",
+        "ca.crt",
+    )
+    openssl("genrsa", "-out", "server.key", "2048")
+    openssl("req", "-new", "-key", "server.key", "-subj", "/CN=127.0.0.1", "-out", "server.csr")
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+        "-out",
+        "server.crt",
+    )
 
 
 def _parse_node_line(line: str) -> dict[str, Any]:

@@ -370,6 +370,7 @@ class RedisIndex(IndexPlugin):
 
         dropped = 0
         notices: list[Any] = []
+        done: list[int] = []
         left = list(arena_ids)
         while left:
             calls = [
@@ -389,10 +390,12 @@ class RedisIndex(IndexPlugin):
                 notices += found
                 if int(remaining):
                     still.append(arena)
+                else:
+                    done.append(arena)
             left = still
         dropped += self._drop_at_homes(notices)
-        if arena_ids:
-            self._registry_call("kvf1_forget_dropped", *arena_ids)
+        if done:
+            self._registry_call("kvf1_forget_dropped", *done)
         return dropped
 
     def _drop_at_homes(self, notices: Iterable[Any]) -> int:

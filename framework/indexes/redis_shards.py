@@ -26,8 +26,8 @@ from typing import Any
 import attrs
 from redis.backoff import NoBackoff
 from redis.client import Redis
-from redis.connection import parse_url
-from redis.exceptions import AskError, MovedError, ResponseError
+from redis.connection import BlockingConnectionPool, parse_url
+from redis.exceptions import AskError, AuthenticationError, MovedError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
@@ -95,8 +95,9 @@ class ShardSet:
             "socket_connect_timeout": timeout,
             # Never resend: a write that timed out may have run.
             "retry": Retry(NoBackoff(), 0),
-            "max_connections": pool,
         }
+        self._pool_size = pool
+        self._timeout = timeout
         self._library = library
         self._library_name = library_name
         self._lock = threading.Lock()
@@ -107,6 +108,7 @@ class ShardSet:
         self._stale = True
         self._last_refresh = 0.0
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._workers = 0
         self.rounds = 0
         self.round_trips = 0
         self.failed_round_trips = 0
@@ -152,7 +154,15 @@ class ShardSet:
             shard = self._shard(address)
             try:
                 reply = shard.client.execute_command("CLUSTER SLOTS")
+            except AuthenticationError as exc:
+                raise ConfigError(
+                    f"redis {address}: {exc} (give user:password@ in the redis url)"
+                ) from None
             except ResponseError as exc:
+                if str(exc).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+                    raise ConfigError(
+                        f"redis {address}: {exc} (give user:password@ in the redis url)"
+                    ) from None
                 if "cluster support disabled" not in str(exc):
                     last = exc
                     continue
@@ -196,7 +206,15 @@ class ShardSet:
         shard = self._shards.get(address)
         if shard is None:
             host, port = address.rsplit(":", 1)
-            client = Redis(host=host, port=int(port), **self._kwargs)
+            # More threads than connections wait for one (up to the timeout) rather than fail.
+            pool = BlockingConnectionPool(
+                host=host,
+                port=int(port),
+                max_connections=self._pool_size,
+                timeout=self._timeout,
+                **self._kwargs,
+            )
+            client = Redis(connection_pool=pool)
             shard = self._shards[address] = _Shard(address, client)
         return shard
 
@@ -320,10 +338,12 @@ class ShardSet:
 
     def _pool(self, workers: int) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
-            if self._executor is None or self._executor._max_workers < workers:
+            if self._executor is None or self._workers < workers:
                 old = self._executor
+                # Callers share it: enough threads that one caller rarely waits for another.
+                self._workers = max(8, 4 * workers)
                 self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=max(workers, 4), thread_name_prefix="kvfabric-redis"
+                    max_workers=self._workers, thread_name_prefix="kvfabric-redis"
                 )
                 if old is not None:
                     old.shutdown(wait=False)

@@ -365,6 +365,29 @@ def test_evicting_a_restored_record_drops_its_entry_in_the_other_arena(
         index.close()
 
 
+def test_over_tls_with_a_password(redis_single: RedisDeployment) -> None:
+    """rediss:// with the certificate authority in the URL, and AUTH; a wrong password is a
+    configuration error, not an outage."""
+    with RedisDeployment.single(password="s3cret", tls=True) as secured:
+        assert secured.url.startswith("rediss://:s3cret@")
+        index = redis_index(secured, IndexConfig(grace=0.0, headroom=0.0))
+        assert isinstance(index, RedisIndex)
+        try:
+            index.register_node(_node("n1", _MIB))
+            keys = _keys(10)
+            _put(index, keys)
+            assert [d.key for d in index.lookup_prefix(keys)] == keys
+        finally:
+            index.purge()
+            index.close()
+        wrong = RedisIndex.create(
+            IndexConfig(options={"url": secured.url.replace("s3cret", "wrong")})
+        )
+        with pytest.raises(ConfigError, match="user:password@"):
+            wrong.nodes()
+        wrong.close()
+
+
 def test_options_are_checked() -> None:
     with pytest.raises(ConfigError, match="redis:// or rediss://"):
         RedisIndex.parse_options({"url": "http://127.0.0.1:6379"})

@@ -6,17 +6,32 @@ import struct
 from typing import Any
 
 import attrs
+import numpy as np
 
 from kvfabric.errors import ProtocolError
 from kvfabric.keys import KEY_SIZE
 
-__all__ = ["DESCRIPTOR_SIZE", "Descriptor"]
+__all__ = ["DESCRIPTOR_DTYPE", "DESCRIPTOR_SIZE", "Descriptor"]
 
 _U32_MAX = (1 << 32) - 1
 _U64_MAX = (1 << 64) - 1
 # key, node, region, offset, length, rkey, version, crc
 _WIRE = struct.Struct("<32sIIQQQQI")
 DESCRIPTOR_SIZE = _WIRE.size
+DESCRIPTOR_DTYPE = np.dtype(
+    [
+        ("key", "S32"),
+        ("node", "<u4"),
+        ("region", "<u4"),
+        ("offset", "<u8"),
+        ("length", "<u8"),
+        ("rkey", "<u8"),
+        ("version", "<u8"),
+        ("crc", "<u4"),
+    ]
+)
+"""The wire form as a numpy record, for building many descriptors' bytes without objects."""
+assert DESCRIPTOR_DTYPE.itemsize == DESCRIPTOR_SIZE
 
 
 def _key(_: Any, attribute: attrs.Attribute[bytes], value: bytes) -> None:

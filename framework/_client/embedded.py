@@ -20,6 +20,7 @@ from kvfabric._client.record_io import RecordIO
 from kvfabric._client.store import Store
 from kvfabric._node.capacity import check_capacity
 from kvfabric._node.node import DataNode
+from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ConfigError
 from kvfabric.options import EmbeddedOptions
 from kvfabric.spi.backend import BackendConfig
@@ -127,9 +128,11 @@ def _start(
         index = index_cls.create(index_config)
         # A file-backed node (or any memory that outlived a store) already holds records.
         scan = node.scan()
-        registered = index.register_node(node.info(restoring=bool(scan.records)))
-        if scan.records:
-            index.restore(registered.id, scan.records)
+        restoring = len(scan.records) > 0
+        registered = index.register_node(node.info(restoring=restoring))
+        if restoring:
+            records = Descriptor.many_from_bytes(scan.addressed(registered).tobytes())
+            index.restore(registered.id, records)
             index.restore_done(registered.id)
     except BaseException:
         node.close()

@@ -21,10 +21,9 @@ import threading
 
 from kvfabric._control.client import ControlClient, ControllerRefusedError, UnknownNodeError
 from kvfabric._control.security import Credentials
-from kvfabric._node.node import DataNode
+from kvfabric._node.node import DataNode, NodeScan
 from kvfabric._wire import protocol as p
 from kvfabric._wire.protocol import ErrorCode, MsgType
-from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ControllerUnavailableError, KvfabricError
 from kvfabric.spi.index import NodeInfo
 from kvfabric.spi.units import format_size
@@ -93,7 +92,7 @@ class NodeAgent:
 
     def _register(self) -> None:
         scan = self.node.scan()
-        if scan.records or scan.torn:
+        if len(scan.records) or scan.torn:
             log.info(
                 "found %d records in %s of memory in %.2fs (%d torn, dropped)",
                 len(scan.records),
@@ -101,7 +100,7 @@ class NodeAgent:
                 scan.seconds,
                 scan.torn,
             )
-        restoring = bool(scan.records)
+        restoring = len(scan.records) > 0
         try:
             r = self._client.call(
                 MsgType.REGISTER_NODE, self.node.info(restoring=restoring).to_bytes()
@@ -114,7 +113,7 @@ class NodeAgent:
         info = NodeInfo.read_from(r)
         r.end()
         if restoring:
-            self._restore(info, scan.records)
+            self._restore(info, scan)
         with self._changed:
             self.registered = info
             self._changed.notify_all()
@@ -125,14 +124,16 @@ class NodeAgent:
             self._client.endpoint,
         )
 
-    def _restore(self, info: NodeInfo, records: list[Descriptor]) -> None:
+    def _restore(self, info: NodeInfo, scan: NodeScan) -> None:
         """Report the records found, in frames of a bounded size, then say it is done."""
+        records = scan.addressed(info)
         kept = 0
         for start in range(0, len(records), RESTORE_BATCH):
             batch = records[start : start + RESTORE_BATCH]
-            r = self._client.call(
-                MsgType.RESTORE, p.write_restore(info.id, info.incarnation, batch)
+            body = p.write_node_ref(info.id, info.incarnation) + p.write_descriptor_bytes(
+                len(batch), batch.tobytes()
             )
+            r = self._client.call(MsgType.RESTORE, body)
             kept += r.u32()
             r.end()
         self._client.call(MsgType.RESTORE_DONE, p.write_node_ref(info.id, info.incarnation)).end()

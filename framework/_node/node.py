@@ -13,8 +13,9 @@ import uuid
 from collections.abc import Sequence
 
 import attrs
+import numpy as np
 
-from kvfabric.descriptor import Descriptor
+from kvfabric.descriptor import DESCRIPTOR_DTYPE
 from kvfabric.errors import NotSupportedError
 from kvfabric.spi.backend import Backend, BackendConfig
 from kvfabric.spi.index import NodeInfo, RegionInfo
@@ -30,11 +31,21 @@ __all__ = ["DataNode", "NodeScan"]
 class NodeScan:
     """What a scan of the node's memory found."""
 
-    records: list[Descriptor]
+    records: np.ndarray = attrs.field(eq=False, repr=lambda a: f"<{len(a)} records>")
+    """One descriptor wire record (:data:`~kvfabric.descriptor.DESCRIPTOR_DTYPE`) per intact
+    record; ``node`` and ``rkey`` are 0 until :meth:`addressed` fills them in."""
     torn: int
     """Records dropped because their payload failed its CRC32C (torn or overwritten)."""
     scanned_bytes: int
     seconds: float
+
+    def addressed(self, info: NodeInfo) -> np.ndarray:
+        """The records as descriptors of the registration ``info`` (its id, each region's rkey)."""
+        records = self.records.copy()
+        records["node"] = info.id
+        for region in info.regions:
+            records["rkey"][records["region"] == region.id] = region.rkey
+        return records
 
 
 class DataNode:
@@ -133,33 +144,25 @@ class DataNode:
         )
 
     def scan(self) -> NodeScan:
-        """Every intact record in this node's memory, as descriptors to restore.
+        """Every intact record in this node's memory, ready to report to the index.
 
-        ``node`` and ``rkey`` are left 0: the index fills them in from the registration.
-        Runs over all regions with the GIL released for the CRC checks; about a second per
-        few GiB here.
+        Vectorised over each region (numpy), with one CRC32C call per record header and
+        payload; about a second per few hundred thousand records here.
         """
         started = time.monotonic()
-        records: list[Descriptor] = []
+        parts: list[np.ndarray] = []
         torn = 0
         scanned = 0
         for region in self.backend.regions():
             result = scan_records(region.view)
             torn += result.torn
             scanned += region.size
-            records.extend(
-                Descriptor(
-                    key=r.key,
-                    node=0,
-                    region=region.id,
-                    offset=r.offset,
-                    length=r.length,
-                    rkey=0,
-                    version=r.version,
-                    crc=r.crc,
-                )
-                for r in result.records
-            )
+            part = np.zeros(len(result.found), DESCRIPTOR_DTYPE)
+            for name in ("key", "offset", "length", "version", "crc"):
+                part[name] = result.found[name]
+            part["region"] = region.id
+            parts.append(part)
+        records = np.concatenate(parts) if parts else np.zeros(0, DESCRIPTOR_DTYPE)
         return NodeScan(
             records=records,
             torn=torn,

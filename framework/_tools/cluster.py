@@ -205,7 +205,7 @@ class Cluster:
     def node_names(self) -> list[str]:
         return [n.name for n in self.node_infos()]
 
-    def wait_nodes(self, count: int, timeout: float = 20.0) -> None:
+    def wait_nodes(self, count: int, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if len(self.node_names()) == count:

@@ -64,6 +64,7 @@ __all__ = [
     "read_node_ref",
     "read_restore",
     "write_deregister",
+    "write_descriptor_bytes",
     "write_heartbeat",
     "write_node_ref",
     "write_restore",
@@ -158,6 +159,12 @@ def read_keys(r: Reader) -> list[bytes]:
 
 def write_descriptors(descriptors: Sequence[Descriptor]) -> bytes:
     return struct.pack("<I", len(descriptors)) + b"".join(d.to_bytes() for d in descriptors)
+
+
+def write_descriptor_bytes(count: int, raw: bytes) -> bytes:
+    """``count`` descriptors already in wire form, back to back (built without objects)."""
+    assert len(raw) == count * DESCRIPTOR_SIZE
+    return struct.pack("<I", count) + raw
 
 
 def read_descriptors(r: Reader) -> list[Descriptor]:

@@ -207,7 +207,12 @@ class MemoryIndex(IndexPlugin):
                 if record.key in self._entries or record.offset in space.occupants:
                     self._counters["restore_duplicates"] += 1
                     continue
-                descriptor = attrs.evolve(record, node=node, rkey=space.rkey)
+                # Nodes report their records addressed (their id, each region's rkey).
+                descriptor = (
+                    record
+                    if (record.node, record.rkey) == (node, space.rkey)
+                    else attrs.evolve(record, node=node, rkey=space.rkey)
+                )
                 entry = _Entry(descriptor, size, lease_deadline=0.0)
                 entry.state = _State.PUBLISHED
                 entry.last_use = now

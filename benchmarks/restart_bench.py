@@ -124,16 +124,18 @@ def put_get(url: str, repeat: int = 3) -> tuple[float, float]:
     chunk = np.random.default_rng(0).bytes(4 << 20)
     puts, gets = [], []
     for _ in range(repeat):
-        with tempfile.TemporaryDirectory(prefix="kvfabric-bench-") as path:
-            with kvfabric.connect(url.format(path=path)) as store:
-                keys = _keys(64, "pg")
-                started = time.perf_counter()
-                store.batched_put(keys, [chunk] * 64)
-                puts.append(time.perf_counter() - started)
-                store.batched_contains(keys)
-                started = time.perf_counter()
-                store.batched_get(keys)
-                gets.append(time.perf_counter() - started)
+        with (
+            tempfile.TemporaryDirectory(prefix="kvfabric-bench-") as path,
+            kvfabric.connect(url.format(path=path)) as store,
+        ):
+            keys = _keys(64, "pg")
+            started = time.perf_counter()
+            store.batched_put(keys, [chunk] * 64)
+            puts.append(time.perf_counter() - started)
+            store.batched_contains(keys)
+            started = time.perf_counter()
+            store.batched_get(keys)
+            gets.append(time.perf_counter() - started)
     return statistics.median(puts), statistics.median(gets)
 
 
@@ -157,17 +159,13 @@ def main() -> None:
         seconds, found = file_scan(size)
         print(f"{size >> 20:>7} MiB  {found:>8}  {seconds:>7.2f}s  {size / seconds / 1e9:>6.2f}")
     print()
-    mib = 64 * 4
+    gib = 64 * 4 / 1024
     dram = put_get("embedded://?capacity=512MiB")
     files = put_get("embedded://?backend=file&path={path}&capacity=512MiB")
-    print("64 x 4 MiB over shm        put        get")
-    print(
-        f"dram                 {mib / 1024 / dram[0]:>6.2f} GB/s  {mib / 1024 / dram[1]:>6.2f} GB/s"
-    )
-    print(
-        f"file                 {mib / 1024 / files[0]:>6.2f} GB/s  {mib / 1024 / files[1]:>6.2f} GB/s"
-    )
-    print(f"file / dram          {dram[0] / files[0]:>9.2f}x  {dram[1] / files[1]:>9.2f}x")
+    print("64 x 4 MiB over shm   put (GB/s)   get (GB/s)")
+    for name, (put, get) in (("dram", dram), ("file", files)):
+        print(f"{name:<20} {gib / put:>11.2f}  {gib / get:>11.2f}")
+    print(f"{'file / dram':<20} {dram[0] / files[0]:>10.2f}x  {dram[1] / files[1]:>10.2f}x")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from kvfabric import PutOutcome, Store
 from kvfabric._control.client import ControlClient
 from kvfabric._control.remote_index import RemoteIndex
 from kvfabric.keys import chain_keys
-from kvfabric.testing import Cluster
+from kvfabric.testing import Cluster, wait_until_stopped
 
 
 def _keys(n: int) -> list[bytes]:
@@ -100,6 +100,7 @@ def test_a_stalled_node_turns_reads_into_misses_within_the_timeout(two_nodes: Cl
         store.batched_put(keys, values)
         placement = _by_node(two_nodes, store, keys)
         two_nodes.signal_node(1, signal.SIGSTOP)
+        wait_until_stopped(two_nodes.node_pid(1))  # SIGSTOP lands asynchronously
         try:
             started = time.monotonic()
             got = _as_bytes(store.batched_get(keys))

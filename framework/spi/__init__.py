@@ -4,16 +4,15 @@ A plugin imports ``kvfabric.spi`` (and the public ``kvfabric`` API: errors, keys
 descriptor) and nothing else; ruff enforces this for the built-in plugins. Here are the hook
 specifications and registries, the ``Transport``, ``Backend`` and ``Index`` base classes,
 the values that cross them, and the helpers a plugin needs (buffers, counters, wire codec,
-record format, slot allocator, sizes and durations; ``native``: batch CRC32C, copies and
-socket loops that take the GIL back once per batch). A transport's client subclasses
-``PeerClient`` and writes only its primitives: the peer table, the segment checks
-(``plan_batch``; ``RegionTable`` on a server) and the error boundary (``map_exceptions``)
-are here, once.
+record format, slot allocator, sizes and durations; and from ``kvfabric.spi.native`` the
+batch CRC32C, copies and socket loops that take the GIL back once per batch). A transport's
+client subclasses ``PeerClient`` and writes only its primitives: the peer table, the
+segment checks (``plan_batch``; ``RegionTable`` on a server) and the error boundary
+(``map_exceptions``) are here, once.
 """
 
 from __future__ import annotations
 
-from kvfabric.spi import native
 from kvfabric.spi.backend import Backend, BackendConfig, MemoryKind, Region, new_rkey
 from kvfabric.spi.boundary import SOCKET_ERRORS, ExceptionMapping, map_exceptions
 from kvfabric.spi.buffers import GIL_FREE_COPY_MIN, address_of, byte_view, copy_into, writable_view
@@ -31,6 +30,17 @@ from kvfabric.spi.index import (
     IndexPlugin,
     NodeInfo,
     RegionInfo,
+)
+from kvfabric.spi.native import (
+    GIL_RELEASE_MIN,
+    IOV_MAX,
+    PeerClosed,
+    copy_many,
+    crc32c_many,
+    gil_reacquisitions,
+    recv_into_all,
+    request_reply,
+    send_all,
 )
 from kvfabric.spi.options import (
     OptionSpec,
@@ -82,8 +92,10 @@ __all__ = [
     "CLIENT_COUNTERS",
     "FORMAT_VERSION",
     "GIL_FREE_COPY_MIN",
+    "GIL_RELEASE_MIN",
     "GROUPS",
     "HEADER_SIZE",
+    "IOV_MAX",
     "MAGIC",
     "SLOT_ALIGN",
     "SOCKET_ERRORS",
@@ -109,6 +121,7 @@ __all__ = [
     "NodeInfo",
     "OptionSpec",
     "PeerClient",
+    "PeerClosed",
     "Plugin",
     "PluginManager",
     "PluginOptions",
@@ -133,13 +146,15 @@ __all__ = [
     "checksum",
     "checksum_pieces",
     "copy_into",
+    "copy_many",
+    "crc32c_many",
     "format_size",
+    "gil_reacquisitions",
     "group_plugin_options",
     "hookimpl",
     "hookspec",
     "installed_plugins",
     "map_exceptions",
-    "native",
     "new_rkey",
     "pack_header",
     "parse_bool",
@@ -150,8 +165,11 @@ __all__ = [
     "plan_batch",
     "plugin_manager",
     "record_size",
+    "recv_into_all",
+    "request_reply",
     "scan_records",
     "segment_status",
+    "send_all",
     "validate_record",
     "writable_view",
 ]

@@ -29,9 +29,9 @@ def recv_into_all(
     deadline: float | None,
     crc_spans: Sequence[tuple[int, int]] | None = None,
 ) -> list[int]: ...
-def exchange(
+def request_reply(
     fd: FileDescriptorLike,
-    send: Sequence[ReadableBuffer],
+    request: Sequence[ReadableBuffer],
     reply: WriteableBuffer,
     payloads: Sequence[WriteableBuffer],
     deadline: float | None,

@@ -56,9 +56,9 @@ __all__ = [
     "crc32c",
     "crc32c_many",
     "crc32c_portable",
-    "exchange",
     "gil_reacquisitions",
     "recv_into_all",
+    "request_reply",
     "send_all",
 ]
 
@@ -150,9 +150,9 @@ def recv_into_all(
     return _native.recv_into_all(fd, buffers, deadline, crc_spans)
 
 
-def exchange(
+def request_reply(
     fd: FileDescriptorLike,
-    send: Sequence[ReadableBuffer],
+    request: Sequence[ReadableBuffer],
     reply: WriteableBuffer,
     payloads: Sequence[WriteableBuffer],
     deadline: float | None,
@@ -162,15 +162,16 @@ def exchange(
 ) -> list[int]:
     """One request and its reply in one GIL release: send, fill ``reply``, then the payloads.
 
-    Sends ``send`` (as :func:`send_all`), fills ``reply`` exactly, then fills each payload
-    ``i`` whose status byte ``reply[status_offset + i]`` is 0; the others are skipped (the
-    peer sends nothing for them). ``crc_spans`` range over ``payloads`` as in
+    Sends the ``request`` buffers (as :func:`send_all`), fills ``reply`` exactly, then fills
+    each payload ``i`` whose status byte ``reply[status_offset + i]`` is 0; the others are
+    skipped (the peer sends nothing for them). ``crc_spans`` range over ``payloads`` as in
     :func:`recv_into_all`; a skipped payload adds nothing to its span. Returns the CRCs, or
     ``[]``. Errors as in :func:`recv_into_all`; a peer that answers with less than a whole
     ``reply`` and closes raises :class:`PeerClosed` with ``received`` bytes of ``reply``
-    filled, so the caller can read an error reply shorter than a full one.
+    filled, so the caller can read an error reply shorter than a full one. Every check of
+    the arguments comes before the first byte is sent.
     """
-    return _native.exchange(fd, send, reply, payloads, deadline, status_offset, crc_spans)
+    return _native.request_reply(fd, request, reply, payloads, deadline, status_offset, crc_spans)
 
 
 def gil_reacquisitions() -> int:

@@ -378,7 +378,7 @@ def test_recv_into_a_read_only_buffer_is_refused_before_receiving(
     assert rest == b"abc"
 
 
-# -- exchange: a request, its reply with a status byte per payload, the accepted payloads --
+# -- request_reply: a request, its reply with a status byte per payload, the accepted payloads --
 
 _HEAD = struct.Struct("<4sI")  # magic, count
 
@@ -391,7 +391,7 @@ def _serve_once(sock: socket.socket, statuses: bytes, payloads: list[bytes]) -> 
     native.send_all(sock, [_HEAD.pack(b"KVFT", len(statuses)), statuses, *accepted], None)
 
 
-def test_exchange_fills_only_the_payloads_the_reply_accepts(
+def test_request_reply_fills_only_the_payloads_the_reply_accepts(
     tcp_pair: tuple[socket.socket, socket.socket],
 ) -> None:
     client, server = tcp_pair
@@ -404,7 +404,7 @@ def test_exchange_fills_only_the_payloads_the_reply_accepts(
     targets = [bytearray(b"\xee" * len(p)) for p in payloads]
     request = [_HEAD.pack(b"KVFT", count), bytes(count)]
     spans = [(0, 10), (10, count)]
-    crcs = native.exchange(
+    crcs = native.request_reply(
         client, request, reply, targets, time.monotonic() + 30, status_offset=8, crc_spans=spans
     )
     join()
@@ -418,7 +418,7 @@ def test_exchange_fills_only_the_payloads_the_reply_accepts(
     assert crcs == expected
 
 
-def test_exchange_reports_a_short_error_reply_then_close_as_peer_closed(
+def test_request_reply_reports_a_short_error_reply_then_close_as_peer_closed(
     tcp_pair: tuple[socket.socket, socket.socket],
 ) -> None:
     client, server = tcp_pair
@@ -431,17 +431,19 @@ def test_exchange_reports_a_short_error_reply_then_close_as_peer_closed(
     join = _in_thread(refuse)
     reply = bytearray(8 + 4)
     with pytest.raises(native.PeerClosed) as caught:
-        native.exchange(client, [b"ask!"], reply, [bytearray(4)] * 4, None, status_offset=8)
+        native.request_reply(client, [b"ask!"], reply, [bytearray(4)] * 4, None, status_offset=8)
     join()
     assert caught.value.received == 8
     assert reply[:8] == b"ERR!\x03\x00\x00\x00"
 
 
-def test_exchange_refuses_a_reply_without_a_status_byte_per_payload() -> None:
+def test_request_reply_refuses_a_reply_without_a_status_byte_per_payload() -> None:
     left, right = socket.socketpair()
     with left, right:
         with pytest.raises(ValueError, match="no status byte"):
-            native.exchange(left, [b"x"], bytearray(10), [bytearray(1)] * 3, None, status_offset=8)
+            native.request_reply(
+                left, [b"x"], bytearray(10), [bytearray(1)] * 3, None, status_offset=8
+            )
         # Nothing was sent: the check comes first.
         right.setblocking(False)
         with pytest.raises(BlockingIOError):
@@ -531,7 +533,7 @@ def test_a_batch_takes_the_gil_back_once_and_a_small_one_keeps_it(
     assert native.gil_reacquisitions() - before == returns
 
 
-def test_an_exchange_takes_the_gil_back_once(
+def test_a_request_reply_takes_the_gil_back_once(
     tcp_pair: tuple[socket.socket, socket.socket],
 ) -> None:
     client, server = tcp_pair
@@ -539,7 +541,7 @@ def test_an_exchange_takes_the_gil_back_once(
     join = _in_thread(lambda: _serve_once(server, bytes(300), payloads))
     targets = [bytearray(100_000) for _ in range(300)]
     before = native.gil_reacquisitions()
-    native.exchange(
+    native.request_reply(
         client,
         [_HEAD.pack(b"KVFT", 300), bytes(300)],
         bytearray(_HEAD.size + 300),
@@ -573,7 +575,7 @@ def test_a_small_socket_call_that_waits_takes_the_gil_back_once(
     join = _in_thread(lambda: _serve_once(server, bytes(3), [b"a", b"b", b"c"]))
     targets = [bytearray(1) for _ in range(3)]
     before = native.gil_reacquisitions()
-    native.exchange(
+    native.request_reply(
         client,
         [_HEAD.pack(b"KVFT", 3), bytes(3)],
         bytearray(_HEAD.size + 3),

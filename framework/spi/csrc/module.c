@@ -713,23 +713,23 @@ done:
     return result;
 }
 
-static PyObject *py_exchange(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"fd",           "send",      "reply", "payloads", "deadline",
+static PyObject *py_request_reply(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"fd",           "request",   "reply", "payloads", "deadline",
                              "status_offset", "crc_spans", NULL};
     PyObject *fd_obj, *send, *reply, *payloads, *deadline_obj, *spans = Py_None;
     Py_ssize_t status_offset = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO|nO:exchange", kwlist, &fd_obj, &send,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO|nO:request_reply", kwlist, &fd_obj, &send,
                                      &reply, &payloads, &deadline_obj, &status_offset, &spans))
         return NULL;
-    const char *func = "exchange";
+    const char *func = "request_reply";
     int64_t deadline;
     int fd = PyObject_AsFileDescriptor(fd_obj);
     if (fd < 0 || parse_deadline(deadline_obj, &deadline) < 0)
         return NULL;
-    PyObject *send_fast = PySequence_Fast(send, "exchange: send must be a sequence");
+    PyObject *send_fast = PySequence_Fast(send, "request_reply: request must be a sequence");
     if (!send_fast)
         return NULL;
-    PyObject *pay_fast = PySequence_Fast(payloads, "exchange: payloads must be a sequence");
+    PyObject *pay_fast = PySequence_Fast(payloads, "request_reply: payloads must be a sequence");
     if (!pay_fast) {
         Py_DECREF(send_fast);
         return NULL;
@@ -756,7 +756,7 @@ static PyObject *py_exchange(PyObject *self, PyObject *args, PyObject *kwargs) {
     }
     /* Views: the send buffers, then the reply, then the payloads. */
     if (views_init(&vs, nsend + 1 + npay) < 0 ||
-        get_views(&vs, send_fast, 0, func, "send buffer") < 0 ||
+        get_views(&vs, send_fast, 0, func, "request buffer") < 0 ||
         get_view_named(&vs, reply, 1, func, "reply") < 0 ||
         get_views(&vs, pay_fast, 1, func, "payload") < 0)
         goto done;
@@ -840,8 +840,8 @@ static PyMethodDef methods[] = {
     {"recv_into_all", (PyCFunction)(void (*)(void))py_recv_into_all,
      METH_VARARGS | METH_KEYWORDS,
      "recv_into_all(fd, buffers, deadline, crc_spans=None) -> list[int]: fill every buffer."},
-    {"exchange", (PyCFunction)(void (*)(void))py_exchange, METH_VARARGS | METH_KEYWORDS,
-     "exchange(fd, send, reply, payloads, deadline, status_offset=0, crc_spans=None) -> "
+    {"request_reply", (PyCFunction)(void (*)(void))py_request_reply, METH_VARARGS | METH_KEYWORDS,
+     "request_reply(fd, request, reply, payloads, deadline, status_offset=0, crc_spans=None) -> "
      "list[int]: send, receive the reply, then the payloads it accepts."},
     {"gil_reacquisitions", py_gil_reacquisitions, METH_NOARGS,
      "gil_reacquisitions() -> int: times this module took the GIL back, in this thread."},

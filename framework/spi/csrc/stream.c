@@ -1,4 +1,4 @@
-/* The socket loops behind send_all, recv_into_all and exchange (see stream.h). */
+/* The socket loops behind send_all, recv_into_all and request_reply (see stream.h). */
 #define _GNU_SOURCE
 #include "stream.h"
 

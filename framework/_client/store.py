@@ -62,6 +62,8 @@ class PutOutcome(enum.Enum):
     """The write or the controller failed; nothing was published."""
 
 
+# A writer that used more than this share of its lease before writing gives the grants up.
+_LEASE_SHARE = 0.5
 # After a transport failure, nodes are relearned at most this often.
 _RELEARN_INTERVAL = 1.0
 
@@ -261,6 +263,7 @@ class Store:
         self._prefetch.drop(keys)
         requests = [AllocationRequest(key=k, length=n) for k, n in zip(keys, lengths, strict=True)]
         self._counters.add("puts")
+        asked_at = time.monotonic()
         result = self._ask(self._index.allocate, requests)
         if result is None:
             self._counters.add("put_failures", len(keys))
@@ -273,7 +276,13 @@ class Store:
                 outcomes.append(PutOutcome.STORED)
             else:
                 outcomes.append(_OUTCOME_OF[alloc.kind])
-        failed, written_bytes = self._write(granted, pieces)
+        if granted and result.lease and time.monotonic() - asked_at > result.lease * _LEASE_SHARE:
+            # This writer was held up (paused, swapped out) for much of its lease: a slot
+            # whose lease ran out may already hold another key's record, so do not write.
+            self._counters.add("late_writes_avoided", len(granted))
+            failed, written_bytes = list(granted), 0
+        else:
+            failed, written_bytes = self._write(granted, pieces)
         for i, _ in failed:
             outcomes[i] = PutOutcome.FAILED
         if failed:

@@ -218,7 +218,8 @@ def read_allocation_requests(r: Reader) -> list[AllocationRequest]:
 
 
 def write_allocate_result(result: AllocateResult) -> bytes:
-    w = Writer().u32(result.evictions).u32(len(result.allocations))
+    lease_ms = min(int(result.lease * 1000), (1 << 32) - 1)
+    w = Writer().u32(result.evictions).u32(lease_ms).u32(len(result.allocations))
     for a in result.allocations:
         w.u8(a.kind.value)
         if a.descriptor is not None:
@@ -231,6 +232,7 @@ _WITH_DESCRIPTOR = (AllocationKind.GRANTED, AllocationKind.EXISTS)
 
 def read_allocate_result(r: Reader) -> AllocateResult:
     evictions = r.u32()
+    lease = r.u32() / 1000
     n = r.count(1, MAX_BATCH)
     allocations = []
     for _ in range(n):
@@ -242,7 +244,7 @@ def read_allocate_result(r: Reader) -> AllocateResult:
             Descriptor.from_bytes(r.raw(DESCRIPTOR_SIZE)) if kind in _WITH_DESCRIPTOR else None
         )
         allocations.append(Allocation(kind=kind, descriptor=descriptor))
-    return AllocateResult(allocations=tuple(allocations), evictions=evictions)
+    return AllocateResult(allocations=tuple(allocations), evictions=evictions, lease=lease)
 
 
 _GRANT = struct.Struct("<32sQI")
@@ -271,10 +273,14 @@ def read_nodes(r: Reader) -> list[NodeInfo]:
     return [NodeInfo.read_from(r) for _ in range(r.count(16, 1 << 16))]
 
 
+_U64_MAX = (1 << 64) - 1
+
+
 def write_counters(counters: dict[str, int]) -> Writer:
     w = Writer().u32(len(counters))
     for name, value in counters.items():
-        w.text(name).u64(max(int(value), 0))
+        # Clamped to the wire form: a counter can saturate, never break the stats reply.
+        w.text(name).u64(min(max(int(value), 0), _U64_MAX))
     return w
 
 

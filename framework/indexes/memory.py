@@ -298,6 +298,7 @@ class MemoryIndex(IndexPlugin):
             return AllocateResult(
                 allocations=tuple(out),
                 evictions=self._counters["evictions"] - evictions_before,
+                lease=self._lease,
             )
 
     def _allocate_one(self, req: AllocationRequest, now: float) -> Allocation:

@@ -30,6 +30,7 @@ CLIENT_COUNTERS = (
     "in_flight_skips",
     "no_space",
     "put_failures",
+    "late_writes_avoided",
     "deletes",
     "delete_failures",
     "validation_failures",

@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from kvfabric.descriptor import Descriptor
+from kvfabric.errors import ProtocolError
 from kvfabric.spi.codec import Reader, Writer
 from kvfabric.spi.options import Plugin
 from kvfabric.spi.transport import NodeEndpoint
@@ -62,6 +63,10 @@ class AllocateResult:
     allocations: tuple[Allocation, ...]
     evictions: int = 0
     """Entries this call evicted to make room."""
+    lease: float = 0.0
+    """Seconds the grants are valid from the allocate (0: not said). A writer that finds it
+    has used up a good part of it does not write at all: a slot whose lease ran out may
+    already hold another key's record."""
 
 
 @attrs.frozen(kw_only=True)
@@ -79,6 +84,14 @@ class GrantRef:
             version=descriptor.version,
             crc=descriptor.crc if crc is None else crc,
         )
+
+
+MAX_REGIONS = 4096
+"""Regions one node may register: with 1 GiB regions, 4 TiB of memory per node."""
+MAX_REGION_SIZE = 1 << 44
+"""16 TiB: more than any one mapping a node could hold, and far from overflowing the u64
+counters that sum region sizes."""
+MAX_ENDPOINTS = 64
 
 
 @attrs.frozen(kw_only=True)
@@ -121,11 +134,18 @@ class NodeInfo:
     @classmethod
     def read_from(cls, r: Reader) -> NodeInfo:
         node_id, incarnation, instance, flags = r.u32(), r.u64(), r.u64(), r.u8()
-        name = r.text()
+        name = r.text(256)
+        # Bounded before anything is built: one frame must not make the controller hold
+        # (or loop over) an absurd number of regions, nor one region of absurd size.
         regions = tuple(
-            RegionInfo(id=r.u32(), size=r.u64(), rkey=r.u64()) for _ in range(r.count(20))
+            RegionInfo(id=r.u32(), size=r.u64(), rkey=r.u64())
+            for _ in range(r.count(20, MAX_REGIONS))
         )
-        endpoints = tuple(NodeEndpoint.read_from(r) for _ in range(r.count(12, 64)))
+        if any(region.size > MAX_REGION_SIZE for region in regions):
+            raise ProtocolError(f"a region larger than {MAX_REGION_SIZE} bytes is refused")
+        if len({region.id for region in regions}) != len(regions):
+            raise ProtocolError("a node registered two regions with one id")
+        endpoints = tuple(NodeEndpoint.read_from(r) for _ in range(r.count(12, MAX_ENDPOINTS)))
         return cls(
             name=name,
             regions=regions,

@@ -84,8 +84,8 @@ class NodeEndpoint:
 
     @classmethod
     def read_from(cls, r: Reader) -> NodeEndpoint:
-        node, transport, address = r.u32(), r.text(), r.blob(1 << 16)
-        regions = tuple(RegionHandle.read_from(r) for _ in range(r.count(24, 1 << 16)))
+        node, transport, address = r.u32(), r.text(64), r.blob(1 << 16)
+        regions = tuple(RegionHandle.read_from(r) for _ in range(r.count(24, 4096)))
         return cls(node=node, transport=transport, address=address, regions=regions)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -13,8 +14,9 @@ import pytest
 import kvfabric
 from kvfabric import PutOutcome
 from kvfabric.errors import ConfigError
+from kvfabric.indexes.memory import MemoryIndex
 from kvfabric.keys import chain_keys
-from kvfabric.spi import hookimpl
+from kvfabric.spi import AllocateResult, AllocationRequest, hookimpl
 from kvfabric.spi.plugins import PluginManager
 from kvfabric.spi.record import HEADER_SIZE, record_size
 from kvfabric.testing import corrupt_payload
@@ -173,3 +175,38 @@ def test_a_corrupt_record_in_a_pipelined_batch_is_the_only_miss() -> None:
         ]
         assert after["validation_failures"] - before["validation_failures"] == 1
         assert after["payload_bytes_read"] - before["payload_bytes_read"] == 48 << 20
+
+
+class _PausedWriterIndex(MemoryIndex):
+    """The memory index, answering allocate only after most of the lease has gone by.
+
+    Stands in for a writer held up between its allocate and its writes (paused, swapped
+    out): the store must then give the grants up rather than write into slots whose lease
+    may have run out.
+    """
+
+    name = "paused"
+
+    def allocate(self, requests: Sequence[AllocationRequest]) -> AllocateResult:
+        result = super().allocate(requests)
+        time.sleep(result.lease * 0.6)
+        return result
+
+
+class _PausedWriterPlugin:
+    @hookimpl
+    def kvfabric_register_indexes(self, registry: Any) -> None:
+        registry.add("paused", _PausedWriterIndex)
+
+
+def test_a_writer_held_up_past_half_its_lease_writes_nothing() -> None:
+    plugins = PluginManager()
+    plugins.register(_PausedWriterPlugin(), name="paused-writer")
+    url = f"embedded://{uuid.uuid4().hex}?index=paused&lease=500ms"
+    with kvfabric.connect(url, plugins=plugins) as store:
+        keys = chain_keys(list(range(4)), 1, namespace=b"late")
+        assert store.batched_put(keys, [b"late bytes"] * 4) == [PutOutcome.FAILED] * 4
+        stats = store.stats()
+        assert stats["late_writes_avoided"] == 4
+        assert stats["payload_bytes_written"] == 0
+        assert store.batched_contains(keys) == 0

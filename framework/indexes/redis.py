@@ -65,7 +65,6 @@ if TYPE_CHECKING:
 
 __all__ = ["NameInUseError", "RedisIndex"]
 
-_LIBRARY_NAME = "kvfabric1"
 _KINDS = {
     1: AllocationKind.GRANTED,
     2: AllocationKind.EXISTS,
@@ -240,9 +239,7 @@ class RedisIndex(IndexPlugin):
         self._registry = registry_key(self._ns)
         self._registry_slot = key_slot(self._registry)
         library = resources.files("kvfabric.indexes").joinpath("redis_functions.lua").read_text()
-        self._shards: ShardSet = ShardSet(
-            url, timeout=timeout, pool=pool, library=library, library_name=_LIBRARY_NAME
-        )
+        self._shards: ShardSet = ShardSet(url, timeout=timeout, pool=pool, library=library)
         self._lock = threading.Lock()
         self._view = _EMPTY
         self._stale = True

@@ -77,9 +77,7 @@ class _Shard:
 class ShardSet:
     """The masters of one Redis deployment, and batches run over them."""
 
-    def __init__(
-        self, url: str, *, timeout: float, pool: int, library: str, library_name: str
-    ) -> None:
+    def __init__(self, url: str, *, timeout: float, pool: int, library: str) -> None:
         try:
             kwargs = _parse_url(url)
         except ValueError as exc:
@@ -89,6 +87,9 @@ class ShardSet:
             raise ConfigError(
                 f"redis url {url!r}: the index uses database 0 (Cluster has no other)"
             )
+        # The index's own options say these (redis.pool, redis.timeout).
+        for name in ("max_connections", "timeout", "socket_timeout", "socket_connect_timeout"):
+            kwargs.pop(name, None)
         self._kwargs = {
             **kwargs,
             "socket_timeout": timeout,
@@ -99,7 +100,6 @@ class ShardSet:
         self._pool_size = pool
         self._timeout = timeout
         self._library = library
-        self._library_name = library_name
         self._lock = threading.Lock()
         self._shards: dict[str, _Shard] = {}
         self._owners: list[_Shard] | None = None
@@ -194,13 +194,22 @@ class ShardSet:
         for shard in masters:
             try:
                 if not shard.loaded:
-                    shard.client.execute_command("FUNCTION", "LOAD", "REPLACE", self._library)
-                    shard.loaded = True
+                    self._load(shard)
                 info = shard.client.info("replication")
                 shard.replicas = int(info.get("connected_slaves", 0))
             except (RedisConnectionError, RedisTimeoutError):
                 # Its slots' calls fail until the next refresh; the others go on.
                 self._stale = True
+
+    def _load(self, shard: _Shard) -> None:
+        try:
+            shard.client.execute_command("FUNCTION", "LOAD", "REPLACE", self._library)
+        except ResponseError as exc:
+            # A user without the right to load functions relies on the operator having
+            # loaded them (docs/redis.md); if they are missing, calls say so.
+            if "NOPERM" not in str(exc) and "no permissions" not in str(exc):
+                raise RemoteError(f"redis {shard.address}: loading the functions: {exc}") from None
+        shard.loaded = True
 
     def _shard(self, address: str) -> _Shard:
         shard = self._shards.get(address)
@@ -300,7 +309,7 @@ class ShardSet:
                     with self._lock:
                         self.round_trips += 1
                         shard.round_trips += 1
-                    shard.client.execute_command("FUNCTION", "LOAD", "REPLACE", self._library)
+                    self._load(shard)
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 with self._lock:
                     self._stale = True

@@ -222,7 +222,7 @@ def _mutate(frame: bytes, rng: random.Random) -> bytes:
 
 def _fuzz_control(endpoint: str, count: int, stop: threading.Event, seed: int) -> int:
     rng = random.Random(seed)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.linger = 0
     sock.sndtimeo = 100
     sock.connect(endpoint)

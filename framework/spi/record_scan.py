@@ -69,7 +69,7 @@ class FoundRecord:
     @property
     def size(self) -> int:
         """Bytes the record occupies (its slot)."""
-        return _record_sizes(np.array([self.length], dtype=np.uint64))[0].item()
+        return int(_record_sizes(np.array([self.length], dtype=np.uint64))[0])
 
 
 @attrs.frozen(kw_only=True)

@@ -36,7 +36,6 @@ from kvfabric.indexes.redis_layout import (
     Ring,
     arena_prefix,
     check_namespace,
-    decode_entry,
     key_slot,
     registry_key,
     version_bytes,
@@ -65,6 +64,7 @@ if TYPE_CHECKING:
 
 __all__ = ["NameInUseError", "RedisIndex"]
 
+_FOUND = ord("1")
 _KINDS = {
     1: AllocationKind.GRANTED,
     2: AllocationKind.EXISTS,
@@ -354,6 +354,7 @@ class RedisIndex(IndexPlugin):
                 arena.id,
                 arena.id % 4096,
                 1 if arena.restoring else 0,
+                arena.rkey.to_bytes(8, "little"),
             )
             for arena in arenas
         ]
@@ -526,19 +527,20 @@ class RedisIndex(IndexPlugin):
             self._call(arena, "kvf1_lookup", *args, read_only=True) for arena, _, args in groups
         ]
         replies = self._run(calls).values
-        for (_, indexes, _), reply in zip(groups, replies, strict=True):
+        for (arena, indexes, _), reply in zip(groups, replies, strict=True):
             if isinstance(reply, Exception):
                 _raise_unexpected(reply)
                 continue  # that shard is down: its keys are misses
             if reply[0] is None:
                 self._gone()
                 continue
-            node, region, rkey = int(reply[0]), int(reply[1]), int(reply[2])
-            for i, raw in zip(indexes, reply[3:], strict=True):
-                if raw is not None:
-                    descriptor = decode_entry(keys[i], raw, node, region, rkey)
+            _, flags, wire = reply
+            descriptors = iter(Descriptor.many_from_bytes(wire))
+            for i, flag in zip(indexes, flags, strict=True):
+                if flag == _FOUND:
+                    descriptor = next(descriptors)
                     # A record restored into another node's arena: only while that node is.
-                    if descriptor.node == node or descriptor.node in view.nodes:
+                    if descriptor.node == arena.node or descriptor.node in view.nodes:
                         found[i] = descriptor
         return found
 
@@ -584,7 +586,7 @@ class RedisIndex(IndexPlugin):
             gone: list[tuple[Arena, list[int], list[Any]]] = []
             replies = self._run(calls).values
             for group, reply in zip(groups, replies, strict=True):
-                arena, indexes, _ = group
+                _, indexes, _ = group
                 if isinstance(reply, Exception):
                     _raise_unexpected(reply)
                     continue  # NO_SPACE: nothing was granted there
@@ -596,11 +598,7 @@ class RedisIndex(IndexPlugin):
                 notices += found
                 for i, kind, raw in zip(indexes, kinds, entries, strict=True):
                     allocation_kind = _KINDS[int(kind)]
-                    descriptor = None
-                    if raw:
-                        descriptor = decode_entry(
-                            requests[i].key, raw, arena.node, arena.region, arena.rkey
-                        )
+                    descriptor = Descriptor.from_bytes(raw) if raw else None
                     allocations[i] = Allocation(kind=allocation_kind, descriptor=descriptor)
             if not gone or attempt:
                 break

@@ -23,9 +23,10 @@ in Redis Cluster:
     <P>x         keys of entries whose record lives in another arena (restored records)
     <P>cz        offsets of records claimed while the node reports them (restore)
 
-An entry is '<BI8I8c8I4I4': state (1 granted, 2 published, 3 published here but stored in
-another arena), offset, payload length, version (8 bytes), crc32c, retention; state 3 adds
-'<I4I4c8I8': node, region, rkey (8 bytes), the arena that holds the record.
+An entry starts with its descriptor in kvfabric's wire form ('<c32I4I4I8I8c8c8I4': key,
+node, region, offset, length, rkey, version, crc), so a lookup returns it as it is, then
+'<BI4': state (1 granted, 2 published, 3 published here but stored in another arena) and
+retention; state 3 adds '<I8': the arena that holds the record.
 
 Versions are 8 opaque bytes here: a new grant's version is (counter << 12) | lo, with the
 arena's counter at least the server clock in microseconds, so versions grow over time and
@@ -65,7 +66,7 @@ local GAUGES = {'free', 'retired', 'n_pub', 'n_pend', 'payload', 'vc'}
 
 local function open(keys, lease_ms, grace_ms, headroom)
   local m = keys[1]
-  local meta = redis.call('HMGET', m, 'node', 'region', 'base', 'size', 'rkey', 'id', 'lo',
+  local meta = redis.call('HMGET', m, 'node', 'region', 'base', 'size', 'rkey8', 'id', 'lo',
     'restoring', 'free', 'retired', 'n_pub', 'n_pend', 'payload', 'vc')
   if not meta[1] then
     return nil
@@ -76,7 +77,7 @@ local function open(keys, lease_ms, grace_ms, headroom)
     oe = p .. 'oe', r = p .. 'r', re = p .. 're', rq = p .. 'rq', pq = p .. 'p', x = p .. 'x',
     cz = p .. 'cz',
     node = tonumber(meta[1]), region = tonumber(meta[2]), base = tonumber(meta[3]),
-    size = tonumber(meta[4]), rkey = meta[5], id = tonumber(meta[6]), lo = tonumber(meta[7]),
+    size = tonumber(meta[4]), rkey8 = meta[5], id = tonumber(meta[6]), lo = tonumber(meta[7]),
     restoring = meta[8] == '1',
     free = tonumber(meta[9]), retired = tonumber(meta[10]), n_pub = tonumber(meta[11]),
     n_pend = tonumber(meta[12]), payload = tonumber(meta[13]), vc = tonumber(meta[14]),
@@ -233,21 +234,24 @@ local function version_bytes(counter, lo)
   return struct.pack('<I4I4', (counter % 1048576) * 4096 + lo, math.floor(counter / 1048576))
 end
 
-local function pack_entry(state, off, len, ver, crc, retention)
-  return struct.pack('<BI8I8c8I4I4', state, off, len, ver, crc, retention)
-end
+local WIRE = 76  -- bytes of a descriptor
+local ENTRY = '<c32I4I4I8I8c8c8I4BI4'
 
 local function entry_get(a, key)
   local v = redis.call('GET', a.e .. key)
   if not v then return nil end
-  local state, off, len, ver, crc, retention = struct.unpack('<BI8I8c8I4I4', v)
-  return {state = state, off = off, len = len, ver = ver, crc = crc, retention = retention,
-          tail = string.sub(v, 34)}
+  local k, node, region, off, len, rkey, ver, crc, state, retention = struct.unpack(ENTRY, v)
+  return {key = k, node = node, region = region, off = off, len = len, rkey = rkey, ver = ver,
+          crc = crc, state = state, retention = retention, tail = string.sub(v, WIRE + 6)}
+end
+
+local function entry_pack(e)
+  return struct.pack(ENTRY, e.key, e.node, e.region, e.off, e.len, e.rkey, e.ver, e.crc,
+    e.state, e.retention) .. (e.tail or '')
 end
 
 local function entry_set(a, key, e)
-  redis.call('SET', a.e .. key, pack_entry(e.state, e.off, e.len, e.ver, e.crc, e.retention)
-    .. e.tail)
+  redis.call('SET', a.e .. key, entry_pack(e))
 end
 
 -- Take an entry out. Its slot retires (or is free at once: immediate). For an entry whose
@@ -263,7 +267,7 @@ local function remove_entry(a, key, e, now, immediate)
   end
   if e.state == FOREIGN then
     redis.call('SREM', a.x, key)
-    local _, _, _, host = struct.unpack('<I4I4c8I8', e.tail)
+    local host = struct.unpack('<I8', e.tail)
     return {fmt(host), fmt(e.off), key, e.ver}
   end
   local oc = occ_get(a, e.off)
@@ -485,17 +489,23 @@ local function mget(prefix, keys, from)
   return out
 end
 
--- ARGV: keys. Returns node, region, rkey, then per key its published entry or nil.
+-- ARGV: keys. Returns 1, a flag byte per key ('1': published), and the descriptors of the
+-- published ones back to back in kvfabric's wire form (each entry starts with it), which the
+-- client decodes in one pass.
 local function lookup(keys, args)
-  local meta = redis.call('HMGET', keys[1], 'node', 'region', 'rkey')
-  if not meta[1] then return {false} end
+  if redis.call('EXISTS', keys[1]) == 0 then return {false} end
   local values = mget(string.sub(keys[1], 1, -2) .. 'e:', args, 1)
-  local out = {meta[1], meta[2], meta[3]}
+  local flags, found = {}, {}
   for i = 1, #args do
     local v = values[i]
-    if v and string.byte(v, 1) ~= PENDING then out[#out + 1] = v else out[#out + 1] = false end
+    if v and string.byte(v, WIRE + 1) ~= PENDING then
+      found[#found + 1] = string.sub(v, 1, WIRE)
+      flags[i] = '1'
+    else
+      flags[i] = '0'
+    end
   end
-  return out
+  return {1, table.concat(flags), table.concat(found)}
 end
 
 local function exists(keys, args)
@@ -504,7 +514,7 @@ local function exists(keys, args)
   local out = {1}
   for i = 1, #args do
     local v = values[i]
-    if v and string.byte(v, 1) ~= PENDING then out[#out + 1] = 1 else out[#out + 1] = 0 end
+    if v and string.byte(v, WIRE + 1) ~= PENDING then out[#out + 1] = 1 else out[#out + 1] = 0 end
   end
   return out
 end
@@ -557,7 +567,9 @@ local function allocate(keys, args)
         bump(a, 'no_space')
       else
         a.vc = math.max(a.vc + 1, now_us)
-        entry = pack_entry(PENDING, off, len, version_bytes(a.vc, a.lo), 0, 0)
+        entry = entry_pack({key = key, node = a.node, region = a.region, off = off, len = len,
+          rkey = a.rkey8, ver = version_bytes(a.vc, a.lo), crc = 0, state = PENDING,
+          retention = 0})
         redis.call('SET', a.e .. key, entry, 'PX', fmt(math.max(1, a.lease_ms)))
         occ_add(a, off, size, OCC_ENTRY, PENDING, key)
         redis.call('ZADD', a.pq, fmt(now + a.lease_ms), fmt(off))
@@ -651,11 +663,12 @@ end
 
 -- -- arena lifecycle ------------------------------------------------------------------------
 
--- ARGV: node, region, base, size, rkey, id, lo, restoring. Idempotent.
+-- ARGV: node, region, base, size, rkey, id, lo, restoring, rkey as 8 bytes. Idempotent.
 local function init(keys, args)
   if redis.call('EXISTS', keys[1]) == 1 then return 0 end
   redis.call('HSET', keys[1], 'node', args[1], 'region', args[2], 'base', args[3],
     'size', args[4], 'rkey', args[5], 'id', args[6], 'lo', args[7], 'restoring', args[8],
+    'rkey8', args[9],
     'free', '0', 'retired', '0', 'n_pub', '0', 'n_pend', '0', 'payload', '0', 'vc', '0',
     'tok', '0')
   if args[8] ~= '1' then
@@ -778,11 +791,13 @@ local function adopt(keys, args)
     else
       if holder == a.id then
         redis.call('HSET', a.o, fmt(off), occ_pack(oc.size, OCC_ENTRY, PUBLISHED, 1, key))
-        redis.call('SET', a.e .. key, pack_entry(PUBLISHED, off, len, ver, crc, 1))
+        redis.call('SET', a.e .. key, entry_pack({key = key, node = a.node, region = a.region,
+          off = off, len = len, rkey = a.rkey8, ver = ver, crc = crc, state = PUBLISHED,
+          retention = 1}))
       else
-        redis.call('SET', a.e .. key, pack_entry(FOREIGN, off, len, ver, crc, 1)
-          .. struct.pack('<I4I4c8I8', tonumber(args[i + 1]), tonumber(args[i + 2]),
-            args[i + 3], holder))
+        redis.call('SET', a.e .. key, entry_pack({key = key, node = tonumber(args[i + 1]),
+          region = tonumber(args[i + 2]), off = off, len = len, rkey = args[i + 3], ver = ver,
+          crc = crc, state = FOREIGN, retention = 1, tail = struct.pack('<I8', holder)}))
         redis.call('SADD', a.x, key)
       end
       a.n_pub = a.n_pub + 1

@@ -21,13 +21,11 @@ import bisect
 import hashlib
 import math
 import re
-import struct
 import threading
 from collections.abc import Sequence
 
 import attrs
 
-from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ConfigError
 
 __all__ = [
@@ -35,7 +33,6 @@ __all__ = [
     "Arena",
     "Ring",
     "arena_prefix",
-    "decode_entry",
     "key_slot",
     "registry_key",
     "version_bytes",
@@ -44,11 +41,6 @@ __all__ = [
 SLOTS = 16384
 _PHI = (math.sqrt(5) - 1) / 2
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-# An entry: state, offset, payload length, version (8 bytes), crc32c, retention; an entry
-# whose record lives in another arena adds node, region, rkey (8 bytes), that arena.
-_ENTRY = struct.Struct("<BQQ8sII")
-_FOREIGN = struct.Struct("<II8sQ")
-_FOREIGN_STATE = 3
 # Ring points per arena: ∝ size (128 per GiB), bounded so tiny arenas (tests) still spread
 # and huge ones do not make the ring slow to build.
 _POINTS_PER_GIB = 128
@@ -180,21 +172,3 @@ class Ring:
 
 def _points(size: int) -> int:
     return max(_MIN_POINTS, min(_MAX_POINTS, size * _POINTS_PER_GIB >> 30))
-
-
-def decode_entry(key: bytes, raw: bytes, node: int, region: int, rkey: int) -> Descriptor:
-    """A descriptor from an entry; ``node``, ``region``, ``rkey``: its arena's."""
-    state, offset, length, version, crc, _ = _ENTRY.unpack_from(raw)
-    if state == _FOREIGN_STATE:
-        node, region, rkey_bytes, _ = _FOREIGN.unpack_from(raw, _ENTRY.size)
-        rkey = int.from_bytes(rkey_bytes, "little")
-    return Descriptor(
-        key=key,
-        node=node,
-        region=region,
-        offset=offset,
-        length=length,
-        rkey=rkey,
-        version=int.from_bytes(version, "little"),
-        crc=crc,
-    )

@@ -11,6 +11,12 @@ windows around the least recently used entries and retired slots (see
 Slots in such a window are reused before their grace period ends: the grace is a courtesy
 to readers (fewer validation misses), and turning it into a refused put would cost the
 cache its hit rate. A value larger than any region is refused up front, evicting nothing.
+
+Asked for a lookup image (a controller serving one), the index also keeps its published
+entries in one (:mod:`kvfabric.indexes.memory_image`), written under the same lock as the
+entries, so clients can answer lookups without asking. Those lookups do not reach the index;
+clients report the keys they used in batches (:meth:`MemoryIndex.touch`), so eviction still
+sees the use.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from kvfabric.descriptor import Descriptor
+from kvfabric.indexes.memory_image import MemoryImage, NoImage
 from kvfabric.indexes.memory_space import Plan, RegionSpace
 from kvfabric.spi import (
     SLOT_ALIGN,
@@ -37,8 +44,11 @@ from kvfabric.spi import (
     IndexPlugin,
     NodeEndpoint,
     NodeInfo,
+    OptionSpec,
+    Region,
     Registry,
     hookimpl,
+    parse_size,
     record_size,
 )
 
@@ -73,6 +83,8 @@ _COUNTERS = (
     "restored",
     "restore_duplicates",
     "restore_overlaps",
+    "touches",
+    "touched_keys",
 )
 
 
@@ -100,10 +112,25 @@ class MemoryIndex(IndexPlugin):
     """
 
     name = "memory"
+    options = (
+        OptionSpec(
+            name="image",
+            parse=parse_size,
+            default=16 << 20,
+            help="size of the lookup image clients read one-sided, once asked for "
+            "(at most; a quarter full it holds ~1 key per 256 bytes; 0: keep none)",
+        ),
+    )
 
     @classmethod
     def create(cls, config: IndexConfig) -> MemoryIndex:
-        return cls(lease=config.lease, grace=config.grace, headroom=config.headroom)
+        options = cls.parse_options(config.options)
+        return cls(
+            lease=config.lease,
+            grace=config.grace,
+            headroom=config.headroom,
+            image_size=options["image"],
+        )
 
     def __init__(
         self,
@@ -111,11 +138,13 @@ class MemoryIndex(IndexPlugin):
         lease: float = 30.0,
         grace: float = 2.0,
         headroom: float = 0.05,
+        image_size: int = 16 << 20,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``lease``: seconds a writer has between allocate and publish. ``grace``: seconds a
         retired slot waits before reuse. ``headroom``: share of capacity kept free (or on its
         way to free) by evicting ahead of need, so writers rarely wait for a grace period.
+        ``image_size``: bytes of the lookup image once asked for one (0: none).
         """
         self._lease = lease
         self._grace = grace
@@ -137,6 +166,8 @@ class MemoryIndex(IndexPlugin):
         # records from before the restart may still carry.
         self._next_version = time.time_ns()
         self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._image_size = image_size
+        self._image: MemoryImage | NoImage = NoImage()
 
     # -- nodes -------------------------------------------------------------------------
 
@@ -189,6 +220,7 @@ class MemoryIndex(IndexPlugin):
         for key, _ in space.occupants.values():
             self._entries.pop(key, None)
             self._lru.pop(key, None)
+            self._image.remove(key)
         self._retired = deque(r for r in self._retired if r[1] is not space)
         self._retired_bytes -= sum(size for size, _ in space.retired.values())
         return len(space.occupants)
@@ -218,6 +250,7 @@ class MemoryIndex(IndexPlugin):
                 entry.last_use = now
                 self._entries[record.key] = entry
                 self._lru[record.key] = None
+                self._image.put(descriptor)
                 space.occupy(record.offset, size, record.key)
                 kept += 1
             self._counters["restored"] += kept
@@ -233,6 +266,7 @@ class MemoryIndex(IndexPlugin):
                 for key in keys:
                     self._entries.pop(key, None)
                     self._lru.pop(key, None)
+                    self._image.remove(key)
                 self._counters["restore_overlaps"] += len(keys)
 
     def nodes(self) -> list[NodeInfo]:
@@ -278,6 +312,29 @@ class MemoryIndex(IndexPlugin):
             self._counters["exists_calls"] += 1
             published = _State.PUBLISHED
             return [(e := self._entries.get(k)) is not None and e.state is published for k in keys]
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            now = self._clock()
+            entries, published = self._entries, _State.PUBLISHED
+            for key in keys:
+                entry = entries.get(key)
+                if entry is not None and entry.state is published:
+                    self._touch(key, entry, now)
+            self._counters["touches"] += 1
+            self._counters["touched_keys"] += len(keys)
+
+    def lookup_image(self) -> Region | None:
+        with self._lock:
+            if isinstance(self._image, MemoryImage):
+                return self._image.region
+            if self._image_size <= 0:
+                return None
+            image = MemoryImage(self._image_size)
+            for key in self._lru:
+                image.put(self._entries[key].descriptor)
+            self._image = image
+            return image.region
 
     def _touch(self, key: bytes, entry: _Entry, now: float) -> None:
         entry.last_use = now
@@ -361,6 +418,7 @@ class MemoryIndex(IndexPlugin):
                     entry.retention = 1
                     entry.last_use = now
                     self._lru[grant.key] = None
+                    self._image.put(entry.descriptor)
                     self._counters["published"] += 1
                 else:
                     self._counters["publish_rejected"] += 1
@@ -531,6 +589,7 @@ class MemoryIndex(IndexPlugin):
         """Take an entry out; its slot retires (or is free at once: ``immediate``, no grace)."""
         del self._entries[key]
         self._lru.pop(key, None)
+        self._image.remove(key)
         d = entry.descriptor
         space = self._regions.get((d.node, d.region))
         if space is None or space.occupants.get(d.offset, (None,))[0] != key:
@@ -562,6 +621,12 @@ class MemoryIndex(IndexPlugin):
             now = self._clock()
             self._expire_leases(now)
             self._release_retired(now)
+            self._image.beat()
+
+    def close(self) -> None:
+        with self._lock:
+            image, self._image = self._image, NoImage()
+        image.close()
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -578,6 +643,7 @@ class MemoryIndex(IndexPlugin):
                 "retired_bytes": self._retired_bytes,
                 "used_bytes": capacity - free - self._retired_bytes,
                 "stored_payload_bytes": sum(self._entries[k].descriptor.length for k in self._lru),
+                **self._image.stats(),
             }
 
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvfabric.descriptor import Descriptor
+from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
 from kvfabric.errors import ConfigError, ControllerUnavailableError, RemoteError
 from kvfabric.indexes.redis_layout import (
     Arena,
@@ -64,7 +64,8 @@ if TYPE_CHECKING:
 
 __all__ = ["NameInUseError", "RedisIndex"]
 
-_FOUND = ord("1")
+# An entry is its descriptor, then its state: 1 while its grant is being written.
+_PENDING = 1
 _KINDS = {
     1: AllocationKind.GRANTED,
     2: AllocationKind.EXISTS,
@@ -534,14 +535,18 @@ class RedisIndex(IndexPlugin):
             if reply[0] is None:
                 self._gone()
                 continue
-            _, flags, wire = reply
-            descriptors = iter(Descriptor.many_from_bytes(wire))
-            for i, flag in zip(indexes, flags, strict=True):
-                if flag == _FOUND:
-                    descriptor = next(descriptors)
-                    # A record restored into another node's arena: only while that node is.
-                    if descriptor.node == arena.node or descriptor.node in view.nodes:
-                        found[i] = descriptor
+            published = [
+                (i, entry[:DESCRIPTOR_SIZE])
+                for i, entry in zip(indexes, reply[1], strict=True)
+                if entry is not None and entry[DESCRIPTOR_SIZE] != _PENDING
+            ]
+            if not published:
+                continue
+            wire = b"".join(w for _, w in published)
+            for (i, _), descriptor in zip(published, Descriptor.many_from_bytes(wire), strict=True):
+                # A record restored into another node's arena: only while that node is.
+                if descriptor.node == arena.node or descriptor.node in view.nodes:
+                    found[i] = descriptor
         return found
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
@@ -858,8 +863,7 @@ class RedisIndex(IndexPlugin):
 
     @staticmethod
     def _group_keys(view: _View, keys: Sequence[bytes]) -> list[tuple[Arena, list[int], list[Any]]]:
-        arena_of = view.ring.arena_of
-        return RedisIndex._by_arena((arena_of(k), [k]) for k in keys)
+        return [(arena, where, [keys[i] for i in where]) for arena, where in view.ring.group(keys)]
 
     def _gone(self) -> None:
         with self._lock:

@@ -17,7 +17,6 @@ later) gets it then, and its pipeline runs again — the refused calls ran nowhe
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -107,8 +106,6 @@ class ShardSet:
         self._single: _Shard | None = None
         self._stale = True
         self._last_refresh = 0.0
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._workers = 0
         self.rounds = 0
         self.round_trips = 0
         self.failed_round_trips = 0
@@ -297,28 +294,31 @@ class ShardSet:
             for shard, _ in groups.values():
                 shard.round_trips += 1
 
-        def one(shard: _Shard, indexes: list[int]) -> None:
+        # Every master's pipeline is sent, then the replies are read: all masters work at
+        # once, without handing each pipeline to a thread of its own on every call.
+        sent: list[tuple[_Shard, list[int], list[tuple[Any, ...]], int, Any]] = []
+        for shard, indexes in groups.values():
             wait = min(wait_replicas, shard.replicas)
-            results: list[Any] = []
+            commands = [calls[i].args for i in indexes]
+            if wait:
+                commands.append(("WAIT", wait, _WAIT_TIMEOUT_MS))
             try:
-                for attempt in range(2):
-                    results = self._pipeline(shard, [calls[i].args for i in indexes], wait)
-                    if attempt or not any(_missing_function(r) for r in results):
-                        break
+                sent.append((shard, indexes, commands, wait, self._send(shard, commands)))
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                self._failed(shard, indexes, values, durable, exc)
+        for shard, indexes, commands, wait, connection in sent:
+            try:
+                results = self._receive(shard, connection, len(commands))
+                if any(_missing_function(r) for r in results):
                     # Nothing ran (every call is refused the same way): load, run again.
                     with self._lock:
                         self.round_trips += 1
                         shard.round_trips += 1
                     self._load(shard)
+                    results = self._receive(shard, self._send(shard, commands), len(commands))
             except (RedisConnectionError, RedisTimeoutError) as exc:
-                with self._lock:
-                    self._stale = True
-                    self.failed_round_trips += 1
-                error = ControllerUnavailableError(f"redis {shard.address}: {exc}")
-                for i in indexes:
-                    values[i] = error
-                    durable[i] = False
-                return
+                self._failed(shard, indexes, values, durable, exc)
+                continue
             acked = results[-1] if wait else None
             for i, result in zip(indexes, results, strict=False):
                 values[i] = _map_error(shard, result)
@@ -327,36 +327,53 @@ class ShardSet:
                     with self._lock:
                         self._stale = True
 
-        items = list(groups.values())
-        if len(items) == 1:
-            one(*items[0])
-            return
-        executor = self._pool(len(items))
-        futures = [executor.submit(one, shard, indexes) for shard, indexes in items[1:]]
-        one(*items[0])
-        for future in futures:
-            future.result()
-
-    def _pipeline(self, shard: _Shard, commands: list[tuple[Any, ...]], wait: int) -> list[Any]:
-        pipe = shard.client.pipeline(transaction=False)
-        for args in commands:
-            pipe.execute_command(*args)
-        if wait:
-            pipe.execute_command("WAIT", wait, _WAIT_TIMEOUT_MS)
-        return list(pipe.execute(raise_on_error=False))
-
-    def _pool(self, workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    def _failed(
+        self,
+        shard: _Shard,
+        indexes: list[int],
+        values: list[Any],
+        durable: list[bool],
+        exc: Exception,
+    ) -> None:
         with self._lock:
-            if self._executor is None or self._workers < workers:
-                old = self._executor
-                # Callers share it: enough threads that one caller rarely waits for another.
-                self._workers = max(8, 4 * workers)
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=self._workers, thread_name_prefix="kvfabric-redis"
-                )
-                if old is not None:
-                    old.shutdown(wait=False)
-            return self._executor
+            self._stale = True
+            self.failed_round_trips += 1
+        error = ControllerUnavailableError(f"redis {shard.address}: {exc}")
+        for i in indexes:
+            values[i] = error
+            durable[i] = False
+
+    @staticmethod
+    def _send(shard: _Shard, commands: list[tuple[Any, ...]]) -> Any:
+        """Send a pipeline; returns the connection its replies will come on."""
+        pool = shard.client.connection_pool
+        connection = pool.get_connection()
+        try:
+            connection.send_packed_command(connection.pack_commands(commands))
+        except BaseException:
+            connection.disconnect()
+            pool.release(connection)
+            raise
+        return connection
+
+    @staticmethod
+    def _receive(shard: _Shard, connection: Any, count: int) -> list[Any]:
+        """The replies of a pipeline sent on ``connection`` (an error reply as its exception)."""
+        pool = shard.client.connection_pool
+        results: list[Any] = []
+        try:
+            for _ in range(count):
+                try:
+                    results.append(connection.read_response())
+                except ResponseError as exc:
+                    results.append(exc)
+        except BaseException:
+            # Replies we did not read would answer the next caller: drop the connection.
+            connection.disconnect()
+            raise
+        finally:
+            pool.release(connection)
+        return results
 
     def execute(self, slot: int, *args: Any) -> Any:
         """One command, for the rare paths (registration, restore); raises what it returns."""
@@ -367,12 +384,11 @@ class ShardSet:
 
     def close(self) -> None:
         with self._lock:
-            executor, self._executor = self._executor, None
             shards = list(self._shards.values())
-        if executor is not None:
-            executor.shutdown(wait=True)
         for shard in shards:
-            shard.client.close()
+            if shard.client is not None:
+                shard.client.close()
+                shard.client.connection_pool.disconnect()
 
 
 _NOBODY = _Shard("", None)

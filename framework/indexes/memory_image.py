@@ -1,0 +1,147 @@
+"""The memory index's lookup image: its published entries, as a table clients read one-sided.
+
+The index keeps it only once asked (:meth:`MemoryIndex.lookup_image`: a controller that
+serves it), and from then on calls :meth:`MemoryImage.put` for every entry it publishes and
+:meth:`MemoryImage.remove` for every entry that leaves, under its own lock, so there is one
+writer. The format is :mod:`kvfabric.spi.image`'s; this module owns the memory and where each
+key sits.
+
+The memory is a memfd, like the ``dram`` backend's regions: a client on the same host maps
+it read-only, and the controller registers it with its transport servers like a region.
+Its pages exist only once written, so a large image costs little while the index is small.
+Keys never move: a key goes into the first free bucket of its window and stays there until
+it leaves (readers rely on it, see the format). A key whose window is full is *spilled*:
+not in the image, counted in its home bucket, so lookups of that home ask the index.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+
+from kvfabric.descriptor import Descriptor
+from kvfabric.spi import (
+    IMAGE_REGION,
+    ImageGeometry,
+    MemoryKind,
+    Region,
+    image_beat,
+    image_store,
+    new_rkey,
+)
+
+__all__ = ["MemoryImage", "NoImage"]
+
+
+class MemoryImage:
+    """One image and the bookkeeping of where each key sits; not thread-safe (the index's
+    lock guards it)."""
+
+    def __init__(self, size: int) -> None:
+        """``size``: bytes at most (rounded down to a power-of-two bucket count)."""
+        self.geometry = ImageGeometry.fitting(secrets.randbits(63) | 1, size)
+        total = self.geometry.size
+        self._fd = os.memfd_create("kvfabric-lookup-image", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, total)
+            self._mapping = mmap.mmap(
+                self._fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+            )
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._view = memoryview(self._mapping)
+        header = self.geometry.header()
+        self._view[: len(header)] = header
+        image_beat(self._view)
+        self.region = Region(
+            id=IMAGE_REGION,
+            size=total,
+            rkey=new_rkey(),
+            kind=MemoryKind.DRAM,
+            view=self._view,
+            path=f"/proc/{os.getpid()}/fd/{self._fd}",
+        )
+        window = self.geometry.window
+        self._window = window
+        # One byte per bucket: bytearray.find looks for a free one in C.
+        self._used = bytearray(self.geometry.buckets + window - 1)
+        self._where: dict[bytes, int] = {}
+        self._spilled: dict[bytes, int] = {}
+        """Keys with no room in their window -> their home."""
+        self._overflow: dict[int, int] = {}
+        """Home -> how many of its keys are spilled."""
+
+    def put(self, descriptor: Descriptor) -> None:
+        """The key is published with this descriptor."""
+        key = descriptor.key
+        if key in self._where or key in self._spilled:
+            self.remove(key)
+        home = int.from_bytes(key[:8], "little") & (self.geometry.buckets - 1)
+        slot = self._used.find(0, home, home + self._window)
+        if slot < 0:
+            self._spilled[key] = home
+            count = self._overflow[home] = self._overflow.get(home, 0) + 1
+            image_store(self._view, home, None, count)
+            return
+        self._used[slot] = 1
+        self._where[key] = slot
+        image_store(self._view, slot, descriptor.to_bytes(), -1)
+
+    def remove(self, key: bytes) -> None:
+        """The key is no longer published (a no-op for a key the image does not hold)."""
+        slot = self._where.pop(key, None)
+        if slot is not None:
+            self._used[slot] = 0
+            image_store(self._view, slot, b"", -1)
+            return
+        home = self._spilled.pop(key, None)
+        if home is not None:
+            count = self._overflow.pop(home) - 1
+            if count:
+                self._overflow[home] = count
+            image_store(self._view, home, None, count)
+
+    def beat(self) -> None:
+        """Tell same-host readers the owner is alive (called every controller tick)."""
+        image_beat(self._view)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "image_entries": len(self._where),
+            "image_spilled": len(self._spilled),
+            "image_buckets": self.geometry.buckets,
+        }
+
+    def close(self) -> None:
+        """Mark the image closed (readers stop trusting it at once) and release it.
+
+        A reader on this host that still maps it keeps its pages alive, but sees it closed.
+        """
+        image_beat(self._view, False)
+        with contextlib.suppress(BufferError):
+            self._view.release()
+            self._mapping.close()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
+class NoImage:
+    """What the index holds until it is asked for an image: every call does nothing."""
+
+    def put(self, descriptor: Descriptor) -> None:
+        pass
+
+    def remove(self, key: bytes) -> None:
+        pass
+
+    def beat(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass

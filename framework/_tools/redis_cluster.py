@@ -17,6 +17,7 @@ redis-py is imported lazily: the module itself needs only the standard library.
 
 from __future__ import annotations
 
+import ctypes
 import random
 import shutil
 import signal
@@ -32,6 +33,7 @@ import attrs
 __all__ = ["RedisDeployment", "RedisProcess", "redis_server_binary"]
 
 _SLOTS = 16384
+_PR_SET_PDEATHSIG = 1
 
 
 def redis_server_binary() -> str | None:
@@ -190,7 +192,11 @@ class RedisDeployment:
                 "0",
             ]
         process = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.directory
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=self.directory,
+            preexec_fn=_die_with_parent,
         )
         server = RedisProcess(port=port, process=process)
         self.servers.append(server)
@@ -357,6 +363,24 @@ class RedisDeployment:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _find_prctl() -> Any:
+    try:
+        return ctypes.CDLL(None).prctl
+    except (OSError, AttributeError):
+        return None  # not Linux
+
+
+# Looked up here, in the parent: the child, between fork and exec, only calls it.
+_prctl = _find_prctl()
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when the process that started it dies, however it dies (a test
+    run that crashes must not leave servers behind). Linux only; elsewhere nothing."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _make_certificates(directory: Path) -> None:

@@ -19,7 +19,9 @@ def crc32c_many(
 def copy_many(
     pairs: Sequence[tuple[WriteableBuffer, ReadableBuffer]],
     crc_spans: Sequence[tuple[int, int]] | None = None,
+    crc_of_source: bool = False,
 ) -> list[int]: ...
+def prefault(buffer: ReadableBuffer, write: bool = True, force_touch: bool = False) -> bool: ...
 def send_all(
     fd: FileDescriptorLike, buffers: Sequence[ReadableBuffer], deadline: float | None
 ) -> int: ...

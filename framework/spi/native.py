@@ -57,6 +57,7 @@ __all__ = [
     "crc32c_many",
     "crc32c_portable",
     "gil_reacquisitions",
+    "prefault",
     "recv_into_all",
     "request_reply",
     "send_all",
@@ -105,17 +106,40 @@ def crc32c_many(
 
 
 def copy_many(
-    pairs: Sequence[tuple[WriteableBuffer, ReadableBuffer]], crc_spans: Spans | None = None
+    pairs: Sequence[tuple[WriteableBuffer, ReadableBuffer]],
+    crc_spans: Spans | None = None,
+    *,
+    crc_of_source: bool = False,
 ) -> list[int]:
     """Copy each ``(dest, src)``: all of ``src`` into the start of ``dest``.
 
     Every ``dest`` is checked to be writable and to hold its ``src`` before any byte moves
     (``BufferError`` / ``ValueError`` otherwise). ``crc_spans``: ``(start, stop)`` ranges
-    of pair indices, in order and not overlapping; returns the CRC32C of what landed in the
-    destinations of each span, computed in the same pass as the copy (in cache-sized chunks,
-    read back from the destination), or ``[]`` without spans.
+    of pair indices, in order and not overlapping; returns the CRC32C of each span, computed
+    in the same pass as the copy (in cache-sized chunks), or ``[]`` without spans. By
+    default it is the CRC of what landed, read back from the destination (a read: a source
+    changing under the copy then fails its check instead of passing unseen);
+    ``crc_of_source``: of the source, read just before it is copied (a write into memory
+    others may write too: the CRC then vouches only for what this caller meant to store).
+    The stores of a call are ordered before those of any later call, so a writer that copies
+    payloads first and their headers in a second call lands them in that order.
     """
-    return _native.copy_many(pairs, crc_spans)
+    return _native.copy_many(pairs, crc_spans, crc_of_source)
+
+
+def prefault(buffer: ReadableBuffer, *, write: bool = True, force_touch: bool = False) -> bool:
+    """Fault in every page of ``buffer`` now, so the first real access does not trap.
+
+    The kernel populates the page tables (``madvise(MADV_POPULATE_WRITE)``, or ``_READ``
+    with ``write=False``; Linux 5.14+) as a write or read would, allocating what is not
+    allocated yet. Where it cannot (an older kernel, or ``force_touch``), each page is
+    touched instead: read, or for a write an atomic add of zero, which never loses a
+    concurrent writer's store. Returns True when the kernel did it. ``write`` needs a
+    writable buffer. Every byte must be backed (a file mapping past the file's end would
+    fault). Releases the GIL for 256 KiB and more; ``OSError`` when the kernel refuses
+    (``ENOMEM``: not enough memory).
+    """
+    return _native.prefault(buffer, write, force_touch)
 
 
 def send_all(

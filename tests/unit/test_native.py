@@ -201,6 +201,112 @@ def test_copy_many_refuses_spans_out_of_order_overlapping_or_out_of_range(
     assert dest == bytearray(1)
 
 
+def test_copy_many_can_checksum_the_sources_and_copies_the_same_bytes() -> None:
+    pairs, sources = _random_pairs(30, seed=3)
+    spans = [(0, 4), (4, 4), (6, 20), (25, 30)]
+    crcs = native.copy_many(pairs, crc_spans=spans, crc_of_source=True)
+    assert crcs == [_crc(b"".join(sources[a:b])) for a, b in spans]
+    for (dest, _), src in zip(pairs, sources, strict=True):
+        assert bytes(dest[: len(src)]) == src
+
+
+@pytest.mark.parametrize("shift", [1000, -1000])
+def test_copy_many_of_overlapping_memory_checksums_the_source_as_it_was(shift: int) -> None:
+    size = 300_000
+    buffer = bytearray(DATA[: size + 2000])
+    source_before = bytes(buffer[1000 : 1000 + size])
+    view = memoryview(buffer)
+    dest_at = 1000 + shift
+    [crc] = native.copy_many(
+        [(view[dest_at : dest_at + size], view[1000 : 1000 + size])], [(0, 1)], crc_of_source=True
+    )
+    assert crc == _crc(source_before)
+    assert bytes(buffer[dest_at : dest_at + size]) == source_before
+
+
+def test_a_write_into_memory_another_writer_scribbles_on_checksums_only_its_own_bytes() -> None:
+    """Shared memory a writer that outlived its lease may still write: the CRC a writer
+    stores with its record must be of what it meant to store, never of what it reads back
+    (which would vouch for the other writer's bytes)."""
+    size = 8 << 20
+    region = np.zeros(size, dtype=np.uint8)
+    source = np.frombuffer(DATA * 4, dtype=np.uint8)
+    stop = threading.Event()
+
+    def scribble() -> None:
+        value = 0
+        while not stop.is_set():
+            value = (value + 1) % 256
+            region[::4096] = value  # a byte per page, over and over (numpy drops the GIL)
+
+    thread = threading.Thread(target=scribble)
+    thread.start()
+    try:
+        results = [
+            native.copy_many([(region, source)], [(0, 1)], crc_of_source=True)[0] for _ in range(20)
+        ]
+    finally:
+        stop.set()
+        thread.join()
+    assert results == [_crc(source)] * 20
+
+
+# -- prefaulting --------------------------------------------------------------------------
+
+
+def _memfd(size: int) -> tuple[int, mmap.mmap]:
+    fd = os.memfd_create("kvfabric-test", os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    return fd, mmap.mmap(fd, size)
+
+
+@pytest.mark.parametrize("force_touch", [False, True])
+def test_prefault_allocates_every_page_of_shared_memory_and_changes_no_byte(
+    force_touch: bool,
+) -> None:
+    size = 8 << 20
+    fd, mapping = _memfd(size)
+    try:
+        mapping[4096 * 3 + 5] = 7
+        assert os.fstat(fd).st_blocks * 512 < size  # sparse until prefaulted
+        populated = native.prefault(memoryview(mapping)[1:], force_touch=force_touch)
+        # Without force_touch, the kernel does it where it can (Linux 5.14+).
+        assert populated is (not force_touch and _kernel_at_least(5, 14))
+        assert os.fstat(fd).st_blocks * 512 >= size
+        expected = bytearray(size)
+        expected[4096 * 3 + 5] = 7
+        assert mapping[:] == expected
+    finally:
+        mapping.close()
+        os.close(fd)
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    release = os.uname().release.split(".")
+    return (int(release[0]), int("".join(c for c in release[1] if c.isdigit()))) >= (major, minor)
+
+
+def test_prefault_for_writing_needs_a_writable_buffer_and_reading_does_not() -> None:
+    with pytest.raises(BufferError, match="prefault"):
+        native.prefault(b"read-only bytes")
+    assert native.prefault(b"read-only bytes", write=False) in (True, False)
+    assert native.prefault(bytearray(0)) is False  # nothing to fault
+
+
+def test_prefault_of_a_large_buffer_takes_the_gil_back_once() -> None:
+    fd, mapping = _memfd(4 << 20)
+    try:
+        before = native.gil_reacquisitions()
+        native.prefault(mapping)
+        assert native.gil_reacquisitions() - before == 1
+        before = native.gil_reacquisitions()
+        native.prefault(memoryview(mapping)[:4096])
+        assert native.gil_reacquisitions() - before == 0
+    finally:
+        mapping.close()
+        os.close(fd)
+
+
 # -- sockets ------------------------------------------------------------------------------
 
 

@@ -20,6 +20,8 @@
 #include <errno.h>
 #include <stdarg.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "crc32c.h"
 #include "stream.h"
@@ -368,27 +370,41 @@ done:
 
 /* -- copies --------------------------------------------------------------------------------- */
 
-static void copy_crc(char *dest, const char *src, size_t n, uint32_t *crc) {
+static void copy_crc(char *dest, const char *src, size_t n, uint32_t *crc, int of_source) {
     uintptr_t d = (uintptr_t)dest, s = (uintptr_t)src;
     if (d < s + n && s < d + n) {
         /* Overlapping: chunks would read bytes an earlier chunk overwrote. */
+        if (of_source)
+            *crc = kvf_crc32c(*crc, src, n);
         memmove(dest, src, n);
-        *crc = kvf_crc32c(*crc, dest, n);
+        if (!of_source)
+            *crc = kvf_crc32c(*crc, dest, n);
         return;
     }
     for (size_t at = 0; at < n; at += COPY_CHUNK) {
         size_t c = n - at < COPY_CHUNK ? n - at : COPY_CHUNK;
-        memmove(dest + at, src + at, c);
-        /* The CRC of what landed, read back from the destination (still in cache): a
-           source changing under the copy is caught by its reader, not hidden. */
-        *crc = kvf_crc32c(*crc, dest + at, c);
+        if (of_source) {
+            /* A write into shared memory: the CRC of what this caller meant to store, read
+               first (the copy then reads it from cache). Read back from the destination, it
+               would vouch for bytes another writer mixed in. */
+            *crc = kvf_crc32c(*crc, src + at, c);
+            memmove(dest + at, src + at, c);
+        } else {
+            memmove(dest + at, src + at, c);
+            /* A read: the CRC of what landed, read back from the destination (still in
+               cache): a source changing under the copy is caught by its reader, not
+               hidden. */
+            *crc = kvf_crc32c(*crc, dest + at, c);
+        }
     }
 }
 
 static PyObject *py_copy_many(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"pairs", "crc_spans", NULL};
+    static char *kwlist[] = {"pairs", "crc_spans", "crc_of_source", NULL};
     PyObject *pairs, *spans = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:copy_many", kwlist, &pairs, &spans))
+    int of_source = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|Op:copy_many", kwlist, &pairs, &spans,
+                                     &of_source))
         return NULL;
     const char *func = "copy_many";
     PyObject *fast = PySequence_Fast(pairs, "copy_many: pairs must be a sequence of (dest, src)");
@@ -448,10 +464,15 @@ static PyObject *py_copy_many(PyObject *self, PyObject *args, PyObject *kwargs) 
         const char *src = vs.v[2 * i + 1].buf;
         size_t len = (size_t)vs.v[2 * i + 1].len;
         if (span_of[i] >= 0)
-            copy_crc(dest, src, len, &crcs[span_of[i]]);
+            copy_crc(dest, src, len, &crcs[span_of[i]], of_source);
         else if (len)
             memmove(dest, src, len);
     }
+    /* Every byte of this batch is stored before any store of a later call: a writer that
+       copies payloads in one call and their headers in the next publishes them in that
+       order to a reader on another CPU (x86 keeps store order; glibc fences its
+       non-temporal stores; this keeps the compiler from moving stores across). */
+    __atomic_thread_fence(__ATOMIC_RELEASE);
     if (ts)
         TAKE_GIL(ts);
     result = crc_list(crcs, nspans);
@@ -821,6 +842,68 @@ done:
     return result;
 }
 
+/* -- memory ----------------------------------------------------------------------------- */
+
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+/* Fault in every page of [buf, buf + len) by touching it: a read, or (write) an atomic add
+   of zero, which a concurrent writer to the same byte cannot lose its store to. */
+static void touch_pages(unsigned char *buf, size_t len, size_t page, int write) {
+    uintptr_t at = (uintptr_t)buf, end = (uintptr_t)buf + len;
+    while (at < end) {
+        if (write)
+            __atomic_fetch_add((unsigned char *)at, 0, __ATOMIC_RELAXED);
+        else
+            (void)*(volatile unsigned char *)at;
+        at = (at & ~(uintptr_t)(page - 1)) + page;
+    }
+}
+
+static PyObject *py_prefault(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"buffer", "write", "force_touch", NULL};
+    PyObject *obj;
+    int write = 1, force_touch = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|pp:prefault", kwlist, &obj, &write,
+                                     &force_touch))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, write ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_BufferError) || PyErr_ExceptionMatches(PyExc_TypeError))
+            name_error("prefault", "buffer");
+        return NULL;
+    }
+    size_t len = (size_t)view.len, page = (size_t)sysconf(_SC_PAGESIZE);
+    int populated = 0, err = 0;
+    PyThreadState *ts = NULL;
+    if (len >= GIL_RELEASE_MIN)
+        RELEASE_GIL(ts);
+    if (len && !force_touch) {
+        /* The kernel fills the page tables itself (Linux 5.14+), faulting each page as a
+           read or a write would, without a trap per page. Its range starts on a page. */
+        uintptr_t start = (uintptr_t)view.buf & ~(uintptr_t)(page - 1);
+        size_t span = (uintptr_t)view.buf + len - start;
+        if (madvise((void *)start, span, write ? MADV_POPULATE_WRITE : MADV_POPULATE_READ) == 0)
+            populated = 1;
+        else if (errno != EINVAL) /* EINVAL: an older kernel, or a mapping it cannot do */
+            err = errno;
+    }
+    if (len && !populated && !err)
+        touch_pages(view.buf, len, page, write);
+    if (ts)
+        TAKE_GIL(ts);
+    PyBuffer_Release(&view);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyBool_FromLong(populated);
+}
+
 static PyObject *py_gil_reacquisitions(PyObject *self, PyObject *unused) {
     return PyLong_FromUnsignedLongLong(reacquired);
 }
@@ -834,7 +917,10 @@ static PyMethodDef methods[] = {
      "crc32c_many(values, initial=None) -> list[int]: one CRC32C per value (a buffer or a "
      "sequence of pieces)."},
     {"copy_many", (PyCFunction)(void (*)(void))py_copy_many, METH_VARARGS | METH_KEYWORDS,
-     "copy_many(pairs, crc_spans=None) -> list[int]: copy each (dest, src); CRC32C per span."},
+     "copy_many(pairs, crc_spans=None, crc_of_source=False) -> list[int]: copy each (dest, "
+     "src); CRC32C per span."},
+    {"prefault", (PyCFunction)(void (*)(void))py_prefault, METH_VARARGS | METH_KEYWORDS,
+     "prefault(buffer, write=True, force_touch=False) -> bool: fault in every page of buffer."},
     {"send_all", (PyCFunction)(void (*)(void))py_send_all, METH_VARARGS | METH_KEYWORDS,
      "send_all(fd, buffers, deadline) -> int: send every buffer in order."},
     {"recv_into_all", (PyCFunction)(void (*)(void))py_recv_into_all,

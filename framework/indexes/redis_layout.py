@@ -188,12 +188,12 @@ class Ring:
         raw = np.frombuffer(joined, dtype=np.uint8).reshape(len(keys), 32)
         points = raw[:, :8].copy().view("<u8").ravel()
         found = np.searchsorted(self._positions_array, points, side="right")
-        owners = self._owners_array[found % len(self._positions_array)]
-        order = np.argsort(owners, kind="stable")
-        ranked = owners[order]
-        cuts = np.flatnonzero(np.diff(ranked)) + 1
+        arena_indexes = self._owners_array[found % len(self._positions_array)]
+        order = np.argsort(arena_indexes, kind="stable")
+        cuts = np.flatnonzero(np.diff(arena_indexes[order])) + 1
         return [
-            (self.arenas[int(owners[chunk[0]])], chunk.tolist()) for chunk in np.split(order, cuts)
+            (self.arenas[int(arena_indexes[chunk[0]])], chunk.tolist())
+            for chunk in np.split(order, cuts)
         ]
 
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 import socket
-import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import attrs
 import pytest
+from tcp_raw import ENTRY, HEADER, address, connect, frame, recv_exactly, recv_until_closed
 
 import kvfabric
 from kvfabric import PutOutcome
@@ -26,10 +26,8 @@ from kvfabric.keys import chain_keys
 from kvfabric.spi import (
     BackendConfig,
     NodeEndpoint,
-    PluginOptions,
     Segment,
     TransportConfig,
-    TransportServer,
 )
 from kvfabric.testing import (
     Cluster,
@@ -41,12 +39,11 @@ from kvfabric.testing import (
     segment_for,
 )
 from kvfabric.transports.tcp import TcpTransport
+from kvfabric.transports.tcp_auth import GREETING_SIZE
+from kvfabric.transports.tcp_stream import IOV_MAX
+from kvfabric.transports.tcp_wire import Code, Op
 
 _MIB = 1 << 20
-# The wire header (see the module docstring of kvfabric.transports.tcp).
-_HEADER = struct.Struct("<4sBBHIQ")
-_ENTRY = struct.Struct("<IQQQ")
-_READ, _WRITE, _HELLO = 1, 2, 3
 # A bound only a hang reaches.
 _PATIENT = 30.0
 
@@ -65,32 +62,6 @@ class TestEmbeddedStoreOverTcp(StoreConformance):
 
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-def _address(endpoint: NodeEndpoint) -> tuple[str, int]:
-    host, _, port = endpoint.address.decode().rpartition(":")
-    return host, int(port)
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    received = b""
-    while len(received) < n:
-        chunk = sock.recv(n - len(received))
-        assert chunk, f"the server closed after {len(received)} of {n} bytes"
-        received += chunk
-    return received
-
-
-def _recv_until_closed(sock: socket.socket) -> bytes:
-    """Everything the server sends before it closes (a hang fails on the socket timeout)."""
-    sock.settimeout(_PATIENT)
-    received = b""
-    try:
-        while chunk := sock.recv(65536):
-            received += chunk
-    except ConnectionResetError:
-        pass
-    return received
 
 
 @pytest.fixture
@@ -137,17 +108,37 @@ def test_wrong_or_missing_token_is_refused_and_the_right_one_is_served() -> None
         server.close()
 
 
+def _error_code(received: bytes) -> int:
+    """The code of the error reply that follows the node's greeting."""
+    reply = received[HEADER.size + GREETING_SIZE :]
+    assert len(reply) == HEADER.size, "the node sent more than one error header"
+    return int(HEADER.unpack(reply)[3])
+
+
 def test_auth_failures_are_counted_and_close_the_connection(node: DataNode) -> None:
     endpoint = _local_endpoint(node)
-    with socket.create_connection(_address(endpoint)) as sock:
-        sock.sendall(_HEADER.pack(b"KVFT", 1, _HELLO, 0, 5, 0) + b"wrong")
-        reply = _recv_until_closed(sock)
-    assert _HEADER.unpack(reply[: _HEADER.size])[3] != 0  # an error code, then EOF
-    with socket.create_connection(_address(endpoint)) as sock:
-        sock.sendall(_HEADER.pack(b"KVFT", 1, _READ, 0, 0, 1))  # no HELLO first
-        _recv_until_closed(sock)
+    with socket.create_connection(address(endpoint)) as sock:
+        sock.sendall(frame(Op.HELLO, 64, 0) + os.urandom(64))  # a proof made up
+        assert _error_code(recv_until_closed(sock)) == Code.AUTH_FAILED  # then EOF
+    with socket.create_connection(address(endpoint)) as sock:
+        sock.sendall(frame(Op.READ, 0))  # no HELLO first
+        assert _error_code(recv_until_closed(sock)) == Code.AUTH_REQUIRED
     assert node.servers["tcp"].stats()["auth_failures"] == 2
     assert round_trip_works("tcp", endpoint, token=b"secret")
+
+
+def test_a_read_before_the_handshake_moves_no_bytes_even_with_a_valid_rkey(
+    node: DataNode,
+) -> None:
+    """rkeys are honoured only on an authenticated connection."""
+    endpoint = _local_endpoint(node)
+    handle = endpoint.regions[0]
+    with socket.create_connection(address(endpoint)) as sock:
+        sock.sendall(frame(Op.READ, 1) + ENTRY.pack(handle.region, handle.rkey, 0, 4096))
+        received = recv_until_closed(sock)
+    assert len(received) == HEADER.size + GREETING_SIZE + HEADER.size  # no status, no bytes
+    assert _error_code(received) == Code.AUTH_REQUIRED
+    assert node.servers["tcp"].stats()["bytes_read"] == 0
 
 
 # -- malformed input -----------------------------------------------------------------------
@@ -156,13 +147,13 @@ def test_auth_failures_are_counted_and_close_the_connection(node: DataNode) -> N
 def test_random_bytes_and_a_truncated_header_leave_the_node_serving(
     server: RegionServer,
 ) -> None:
-    with socket.create_connection(_address(server.endpoint)) as sock:
+    with socket.create_connection(address(server.endpoint)) as sock:
         sock.sendall(os.urandom(4096))
-        _recv_until_closed(sock)  # the server closes this connection...
-    with socket.create_connection(_address(server.endpoint)) as sock:
-        sock.sendall(_HEADER.pack(b"KVFT", 1, _READ, 0, 1, 7)[:9])
+        recv_until_closed(sock)  # the server closes this connection...
+    with socket.create_connection(address(server.endpoint)) as sock:
+        sock.sendall(frame(Op.READ, 1, 7)[:9])
     # ...and a stalled half-header on a third connection blocks nobody else.
-    stalled = socket.create_connection(_address(server.endpoint))
+    stalled = socket.create_connection(address(server.endpoint))
     stalled.sendall(b"KVF")
     try:
         assert round_trip_works("tcp", server.endpoint)
@@ -171,31 +162,29 @@ def test_random_bytes_and_a_truncated_header_leave_the_node_serving(
 
 
 @pytest.mark.parametrize(
-    "frame",
+    "request_frame",
     [
-        pytest.param(_HEADER.pack(b"KVFT", 1, _READ, 0, 1_000_000, 1), id="count"),
-        pytest.param(
-            _HEADER.pack(b"KVFT", 1, _WRITE, 0, 1, 1) + _ENTRY.pack(0, 1, 0, 1 << 62),
-            id="total_length",
-        ),
+        pytest.param(frame(Op.READ, 1_000_000), id="count"),
+        pytest.param(frame(Op.WRITE, 1) + ENTRY.pack(0, 1, 0, 1 << 62), id="total_length"),
     ],
 )
-def test_absurd_frames_are_refused_with_an_error_reply(server: RegionServer, frame: bytes) -> None:
-    with socket.create_connection(_address(server.endpoint)) as sock:
-        sock.sendall(frame)
-        reply = _recv_until_closed(sock)
-    magic, _, _, code, count, _ = _HEADER.unpack(reply)
-    assert (magic, count) == (b"KVFT", 0)
-    assert code != 0
+def test_absurd_frames_are_refused_with_an_error_reply(
+    server: RegionServer, request_frame: bytes
+) -> None:
+    with connect(server.endpoint) as sock:
+        sock.sendall(request_frame)
+        reply = recv_until_closed(sock)
+    magic, _, _, code, count, _ = HEADER.unpack(reply)
+    assert (magic, code, count) == (b"KVFT", Code.TOO_LARGE, 0)
     assert round_trip_works("tcp", server.endpoint)
 
 
 def test_bad_frames_are_counted(node: DataNode) -> None:
     endpoint = _local_endpoint(node)
-    for frame in (b"GET / HTTP/1.1\r\n\r\n" + b"x" * 10, _HEADER.pack(b"KVFT", 9, 1, 0, 0, 0)):
-        with socket.create_connection(_address(endpoint)) as sock:
-            sock.sendall(frame)
-            _recv_until_closed(sock)
+    for garbage in (b"GET / HTTP/1.1\r\n\r\n" + b"x" * 10, frame(Op.HELLO, 64, version=1)):
+        with socket.create_connection(address(endpoint)) as sock:
+            sock.sendall(garbage)
+            assert _error_code(recv_until_closed(sock)) == Code.BAD_FRAME
     assert node.servers["tcp"].stats()["bad_frames"] == 2
 
 
@@ -209,7 +198,7 @@ def test_node_restarted_on_the_same_port_is_reached_without_a_failed_call() -> N
     try:
         assert client.read(1, [segment_for(endpoint, 0, 0, bytearray(16))]) == [None]
         first.close()  # leaves the client a pooled connection the node has closed
-        second = _local_node(port=_address(endpoint)[1])
+        second = _local_node(port=address(endpoint)[1])
         try:
             restarted = _local_endpoint(second)
             assert restarted.address == endpoint.address
@@ -243,27 +232,52 @@ def test_refused_writes_in_a_frame_are_drained_and_the_stream_stays_in_sync() ->
             (999, handle.rkey, 0, os.urandom(100)),
             (handle.region, handle.rkey, 50_000, b),
         ]
-        with socket.create_connection(_address(endpoint)) as sock:
-            sock.settimeout(10)
-            table = b"".join(_ENTRY.pack(r, k, o, len(d)) for r, k, o, d in entries)
-            head = _HEADER.pack(b"KVFT", 1, _WRITE, 0, len(entries), 5)
+        with connect(endpoint) as sock:
+            table = b"".join(ENTRY.pack(r, k, o, len(d)) for r, k, o, d in entries)
+            head = frame(Op.WRITE, len(entries), 5)
             sock.sendall(head + table + b"".join(d for *_, d in entries))
-            reply = _recv_exactly(sock, _HEADER.size + len(entries))
-            assert list(reply[_HEADER.size :]) == [0, 2, 3, 1, 0]
+            reply = recv_exactly(sock, HEADER.size + len(entries))
+            assert list(reply[HEADER.size :]) == [0, 2, 3, 1, 0]
             # The same connection serves the next frame: the refused bytes were drained.
             sock.sendall(
-                _HEADER.pack(b"KVFT", 1, _READ, 0, 2, 6)
-                + _ENTRY.pack(handle.region, handle.rkey, 0, 10_000)
-                + _ENTRY.pack(handle.region, handle.rkey, 50_000, 10_000)
+                frame(Op.READ, 2, 6)
+                + ENTRY.pack(handle.region, handle.rkey, 0, 10_000)
+                + ENTRY.pack(handle.region, handle.rkey, 50_000, 10_000)
             )
-            reply = _recv_exactly(sock, _HEADER.size + 2 + 20_000)
-            assert reply[_HEADER.size : _HEADER.size + 2] == b"\x00\x00"
-            assert reply[_HEADER.size + 2 :] == a + b
+            reply = recv_exactly(sock, HEADER.size + 2 + 20_000)
+            assert reply[HEADER.size : HEADER.size + 2] == b"\x00\x00"
+            assert reply[HEADER.size + 2 :] == a + b
         stats = node.servers["tcp"].stats()
         assert stats["refused_segments"] == 3
         assert (stats["segments_written"], stats["segments_read"]) == (2, 2)
     finally:
         node.close()
+
+
+def test_batches_of_more_segments_than_iov_max_land_both_ways(server: RegionServer) -> None:
+    """Each side gathers and scatters at most IOV_MAX buffers per system call: a batch of
+    three times that many (and some) is split into calls, in both directions."""
+    endpoint = server.endpoint
+    count, size = 3 * IOV_MAX + 5, 100
+    data = os.urandom(count * size)
+    client = open_client("tcp", endpoint, timeout=30.0)
+    try:
+        source = memoryview(data)
+        writes = [
+            segment_for(endpoint, 0, i * size, source[i * size : (i + 1) * size])
+            for i in range(count)
+        ]
+        assert client.write(1, writes) == [None] * count
+        dest = bytearray(len(data))
+        view = memoryview(dest)
+        reads = [
+            segment_for(endpoint, 0, i * size, view[i * size : (i + 1) * size])
+            for i in range(count)
+        ]
+        assert client.read(1, reads) == [None] * count
+        assert dest == data
+    finally:
+        client.close()
 
 
 def test_records_of_header_and_payload_scatter_into_their_buffers(
@@ -363,7 +377,7 @@ def test_close_returns_with_idle_clients_connected() -> None:
     node = _local_node()
     endpoint = _local_endpoint(node)
     client = open_client("tcp", endpoint)
-    idle = socket.create_connection(_address(endpoint))
+    idle = socket.create_connection(address(endpoint))
     try:
         assert client.read(1, [segment_for(endpoint, 0, 0, bytearray(8))]) == [None]
         started = time.monotonic()
@@ -387,63 +401,6 @@ def test_the_advertised_host_is_what_clients_are_told() -> None:
 
 
 # -- its declared options --------------------------------------------------------------------
-
-
-def _node_with_options(**options: str) -> tuple[TransportServer, NodeEndpoint, DataNode]:
-    """A node given ``tcp.NAME=VALUE`` options the way ``--transport-opt`` gives them."""
-    node = DataNode.create(
-        backend="dram",
-        transports=["tcp"],
-        backend_config=BackendConfig(capacity=1 << 20),
-        transport_config=TransportConfig(),
-        plugin_options=PluginOptions({"tcp": options}),
-    )
-    return node.servers["tcp"], _local_endpoint(node), node
-
-
-def test_frame_timeout_drops_a_half_sent_frame() -> None:
-    server, endpoint, node = _node_with_options(frame_timeout="300ms")
-    try:
-        with socket.create_connection(_address(endpoint)) as sock:
-            sock.sendall(_HEADER.pack(b"KVFT", 1, 1, 0, 1, 0))  # a READ header, no entry
-            sock.settimeout(_PATIENT)
-            assert sock.recv(1) == b""  # the node hung up on the stalled frame
-        assert server.stats()["stalled_frames"] == 1
-        assert round_trip_works("tcp", endpoint)
-    finally:
-        node.close()
-
-
-def test_max_connections_refuses_those_beyond_it_and_serves_the_rest() -> None:
-    server, endpoint, node = _node_with_options(max_connections="2")
-    held = [socket.create_connection(_address(endpoint)) for _ in range(2)]
-    try:
-        _wait_for(lambda: server.stats()["connections"] == 2)
-        with socket.create_connection(_address(endpoint)) as extra:
-            extra.settimeout(_PATIENT)
-            assert extra.recv(1) == b""
-        assert server.stats()["connections_refused"] == 1
-        held.pop().close()
-        # The node frees the slot once its thread sees the close: until then it refuses.
-        _wait_for(lambda: _round_trip_or_refused(endpoint))
-    finally:
-        for sock in held:
-            sock.close()
-        node.close()
-
-
-def _round_trip_or_refused(endpoint: NodeEndpoint) -> bool:
-    try:
-        return round_trip_works("tcp", endpoint)
-    except TransportError:
-        return False
-
-
-def _wait_for(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + _PATIENT
-    while not condition():
-        assert time.monotonic() < deadline, "the condition never held"
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,225 @@
+"""The tcp transport's wire spoken by hand, a proxy between a client and a node, and
+in-process nodes given tcp options.
+
+For tests that send what a well-behaved client never would, or watch and alter what crosses
+the wire. Frame layouts come from ``kvfabric.transports.tcp_wire`` and the handshake from
+``kvfabric.transports.tcp_auth`` (the module docstrings there describe them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import attrs
+
+from kvfabric._node.node import DataNode
+from kvfabric.spi import BackendConfig, NodeEndpoint, PluginOptions, TransportConfig
+from kvfabric.transports.tcp_auth import (
+    GREETING_SIZE,
+    PROOF_SIZE,
+    client_proof,
+    new_nonce,
+    unpack_greeting,
+)
+from kvfabric.transports.tcp_wire import ENTRY, HEADER, MAGIC, VERSION, Op
+
+__all__ = [
+    "ENTRY",
+    "HEADER",
+    "PATIENT",
+    "Proxy",
+    "address",
+    "connect",
+    "frame",
+    "handshake",
+    "hello_reply_code",
+    "local_endpoint",
+    "local_node",
+    "recv_exactly",
+    "recv_until_closed",
+    "rss_mib",
+    "wait_for",
+]
+
+# A bound only a hang reaches.
+PATIENT = 30.0
+
+
+def frame(op: int, count: int, rid: int = 1, *, version: int = VERSION, code: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, version, op, code, count, rid)
+
+
+def address(endpoint: NodeEndpoint) -> tuple[str, int]:
+    host, _, port = endpoint.address.decode().rpartition(":")
+    return host, int(port)
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    received = b""
+    sock.settimeout(PATIENT)
+    while len(received) < n:
+        chunk = sock.recv(n - len(received))
+        assert chunk, f"the node closed after {len(received)} of {n} bytes"
+        received += chunk
+    return received
+
+
+def recv_until_closed(sock: socket.socket) -> bytes:
+    """Everything the node sends before it closes (a hang fails on the socket timeout)."""
+    sock.settimeout(PATIENT)
+    received = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+def hello_reply_code(sock: socket.socket, key: bytes = b"") -> int:
+    """Read the greeting, send a HELLO proved with ``key``; the code of the node's reply
+    (its proof is read too when the code is 0)."""
+    greeting = recv_exactly(sock, HEADER.size + GREETING_SIZE)
+    assert HEADER.unpack_from(greeting)[2] == Op.GREETING
+    flags, nonce = unpack_greeting(greeting[HEADER.size :])
+    client_nonce = new_nonce()
+    proof = client_proof(key, flags, nonce, client_nonce)
+    sock.sendall(frame(Op.HELLO, len(client_nonce) + len(proof), 0) + client_nonce + proof)
+    code = int(HEADER.unpack(recv_exactly(sock, HEADER.size))[3])
+    if code == 0:
+        recv_exactly(sock, PROOF_SIZE)
+    return code
+
+
+def handshake(sock: socket.socket, key: bytes = b"") -> None:
+    """The client's side of a plain handshake; asserts the node accepted it."""
+    code = hello_reply_code(sock, key)
+    assert code == 0, f"handshake refused with code {code}"
+
+
+def connect(endpoint: NodeEndpoint, key: bytes = b"") -> socket.socket:
+    """A raw socket to the node, past the handshake."""
+    sock = socket.create_connection(address(endpoint), timeout=PATIENT)
+    try:
+        handshake(sock, key)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+Transform = Callable[[int, bytes], bytes]
+"""Rewrites a chunk of the node's bytes given its offset in the stream (for a man in the
+middle); the identity by default."""
+
+
+class Proxy:
+    """A TCP proxy on 127.0.0.1 in front of one node: records both directions of every
+    connection, and may rewrite what the node sends (``transform``)."""
+
+    def __init__(self, target: tuple[str, int], transform: Transform | None = None) -> None:
+        self.target = target
+        self.transform = transform
+        self.client_bytes = bytearray()
+        self.node_bytes = bytearray()
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def endpoint_for(self, endpoint: NodeEndpoint) -> NodeEndpoint:
+        """``endpoint`` with the proxy's address in place of the node's."""
+        return NodeEndpoint(
+            node=endpoint.node,
+            transport=endpoint.transport,
+            address=f"127.0.0.1:{self.port}".encode(),
+            regions=endpoint.regions,
+        )
+
+    def close(self) -> None:
+        self._listener.close()
+        with self._lock:
+            sockets = list(self._sockets)
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        for thread in self._threads:
+            thread.join(PATIENT)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            node = socket.create_connection(self.target)
+            with self._lock:
+                self._sockets += [client, node]
+            for src, dst, record, transform in (
+                (client, node, self.client_bytes, None),
+                (node, client, self.node_bytes, self.transform),
+            ):
+                thread = threading.Thread(
+                    target=self._pump, args=(src, dst, record, transform), daemon=True
+                )
+                self._threads.append(thread)
+                thread.start()
+
+    def _pump(
+        self,
+        src: socket.socket,
+        dst: socket.socket,
+        record: bytearray,
+        transform: Transform | None,
+    ) -> None:
+        offset = 0
+        try:
+            while chunk := src.recv(65536):
+                with self._lock:
+                    record += chunk
+                if transform is not None:
+                    chunk = transform(offset, chunk)
+                offset += len(chunk)
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process (``VmRSS`` in /proc), in MiB."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
+def wait_for(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + PATIENT
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.02)
+
+
+def local_node(token: bytes = b"", **options: str) -> DataNode:
+    """An in-process node (real sockets) given ``tcp.NAME=VALUE`` options the way
+    ``--transport-opt`` gives them, for tests that read its counters."""
+    return DataNode.create(
+        backend="dram",
+        transports=["tcp"],
+        backend_config=BackendConfig(capacity=8 << 20, region_size=4 << 20),
+        transport_config=TransportConfig(token=token),
+        plugin_options=PluginOptions({"tcp": options}),
+    )
+
+
+def local_endpoint(node: DataNode) -> NodeEndpoint:
+    return attrs.evolve(next(e for e in node.info().endpoints if e.transport == "tcp"), node=1)

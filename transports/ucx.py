@@ -249,6 +249,9 @@ class _Requests:
 
 class _UcxClient(PeerClient[_Peer]):
     native_errors = _UCX_ERRORS
+    # Checksummed puts: the payloads' CRC32C is taken after their puts are posted, while the
+    # NIC moves them (RDMA); the headers follow in a second call, after the flush.
+    checksums_writes = True
 
     def __init__(self, config: TransportConfig) -> None:
         super().__init__(config)
@@ -385,6 +388,10 @@ class _UcxClient(PeerClient[_Peer]):
                 self._in_flight -= 1
                 raise
         try:
+            if put and batch.crc_spans is not None:
+                # The sources' CRCs, in one native call, while posted puts are in flight.
+                # The buffers are only read, as the puts read them.
+                batch.crcs = batch.checksum()
             if failure == _ucp.OK:
                 failure = self._wait(requests, batch.deadline)
         finally:

@@ -2,15 +2,20 @@
 
 It owns everything between "these descriptors" and "these values": routing (which transport
 reaches which node, :mod:`~kvfabric._client.routes`), framing (a record is a header segment
-then one segment per payload piece, written once here for reads and writes alike), landing
-(nodes in parallel; a large batch for one node in groups, each validated on a helper thread
-while the next lands) and validation (magic, key, version, length, CRC32C). It never talks
-to the index: the store learns membership and hands it over with :meth:`RecordIO.set_nodes`.
+and one segment per payload piece, written once here for reads and writes alike), landing
+(nodes in parallel, one transport call per node) and validation (magic, key, version,
+length, CRC32C). It never talks to the index: the store learns membership and hands it over
+with :meth:`RecordIO.set_nodes`.
 
 Reads land straight in the caller's buffers (or in one fresh allocation per batch), writes
-gather straight from the caller's buffers; transports and CRC32C release the GIL while bytes
-move. Failures are reported per record, never raised: the store turns them into misses and
-counters.
+gather straight from the caller's buffers. The GIL is taken back a bounded number of times
+per node batch, not per record or segment: every wait beside a busy Python thread costs a
+switch interval (5 ms), issue 12. So each node's records move in one transport call that
+also returns each payload's CRC32C (``read_checksummed`` / ``write_checksummed``: taken while
+the bytes move where the transport can, else in one native call for the batch), and the
+per-record work here (framing, header checks) is Python that keeps the GIL. Writes store
+every payload before any header. Failures are reported per record, never raised: the store
+turns them into misses and counters.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import attrs
@@ -27,20 +32,16 @@ import numpy as np
 
 from kvfabric._client.routes import Routes
 from kvfabric.descriptor import Descriptor
-from kvfabric.errors import TransportError, ValidationError
+from kvfabric.errors import ValidationError
 from kvfabric.spi.buffers import byte_view, writable_view
 from kvfabric.spi.index import NodeInfo
-from kvfabric.spi.record import HEADER_SIZE, checksum_pieces, pack_header, validate_record
+from kvfabric.spi.record import HEADER_SIZE, pack_header, validate_record
 from kvfabric.spi.transport import Segment, TransportClient
 
 __all__ = ["ReadReport", "RecordIO", "WriteReport", "value_pieces"]
 
 log = logging.getLogger("kvfabric")
 T = TypeVar("T")
-
-# Reads of more than this per node are landed in groups of about this size, each group
-# validated while the next one lands.
-_PIPELINE_GROUP_BYTES = 32 << 20
 
 
 @attrs.frozen(kw_only=True)
@@ -106,7 +107,6 @@ class RecordIO:
         self._routes = Routes(clients, preference)
         self._lock = threading.Lock()
         self._io_pool: ThreadPoolExecutor | None = None
-        self._validator_pool: ThreadPoolExecutor | None = None
 
     # -- membership ----------------------------------------------------------------------
 
@@ -171,10 +171,11 @@ class RecordIO:
     def write(
         self, descriptors: Sequence[Descriptor], values: Sequence[Sequence[memoryview]]
     ) -> WriteReport:
-        """Checksum and write each record (header, then the value's pieces) into its granted slot.
+        """Checksum and write each record (the value's pieces, then its header) into its slot.
 
-        Nodes are written in parallel; the CRC is taken right before the record's bytes are
-        handed to the transport, from the same buffers.
+        Nodes are written in parallel (one node's checksums overlap another's transfer), one
+        transport call per node; the CRC is of the caller's buffers, taken while they are
+        copied where the transport can (``shm``), else in one native call right before.
         """
         crcs: list[int | None] = [None] * len(descriptors)
         per_node: dict[int, list[int]] = {}
@@ -235,14 +236,9 @@ class RecordIO:
     def close(self) -> None:
         """Wait for work in flight, then disconnect every node and close the transports."""
         with self._lock:
-            pools, self._io_pool, self._validator_pool = (
-                (self._io_pool, self._validator_pool),
-                None,
-                None,
-            )
-        for pool in pools:
-            if pool is not None:
-                pool.shutdown(wait=True)
+            pool, self._io_pool = self._io_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         self._routes.close()
 
     # -- internals -----------------------------------------------------------------------
@@ -264,48 +260,64 @@ class RecordIO:
     def _read_node(self, node: int, items: list[_Read]) -> int:
         """Land one node's records and validate them; returns payload bytes landed.
 
-        A large batch is read in a few groups, and each group is validated on a helper
-        thread while the next one lands: the CRC pass then overlaps the transfer instead of
-        following it (both release the GIL).
+        One transport call lands the batch with each payload's CRC32C. Landing in groups
+        with a validator thread overlapped CRC and transfer when the CRC was a second pass,
+        but each group cost the GIL back: the CRC now comes with the landing.
         """
         client = self._routes.client_for(node)
-        groups = _split_by_bytes(items, _PIPELINE_GROUP_BYTES)
-        if len(groups) == 1:
-            _land(client, node, items)
-            return _validate(items)
-        with self._lock:
-            if self._validator_pool is None:
-                self._validator_pool = ThreadPoolExecutor(2, thread_name_prefix="kvfabric-crc")
-            validator = self._validator_pool
-        pending: Future[int] | None = None
+        segments: list[Segment] = []
+        spans: list[tuple[int, int]] = []
+        for item in items:
+            start = len(segments) + 1  # the payload follows the header
+            _frame(item.descriptor, item.header, item.pieces, segments)
+            spans.append((start, len(segments)))
+        errors, crcs = client.read_checksummed(node, segments, spans)
         landed = 0
-        try:
-            for group in groups:
-                _land(client, node, group)
-                if pending is not None:
-                    landed += pending.result()
-                pending = validator.submit(_validate, group)
-        finally:
-            # Never leave a validation running against buffers the caller gets back.
-            if pending is not None:
-                landed += pending.result()
+        for item, (start, stop), crc in zip(items, spans, crcs, strict=True):
+            if any(e is not None for e in errors[start - 1 : stop]):
+                item.refused = True
+                continue
+            landed += item.descriptor.length
+            try:
+                validate_record(
+                    item.header, item.pieces, item.descriptor, item.key, payload_crc=crc
+                )
+            except ValidationError as exc:
+                log.info("kvfabric: record for key %s invalid (%s): miss", item.key.hex(), exc)
+                continue
+            item.result = item.pieces[0]
         return landed
 
     def _write_node(
         self, node: int, items: list[tuple[Descriptor, Sequence[memoryview]]]
     ) -> list[int | None]:
         client = self._routes.client_for(node)
-        segments: list[Segment] = []
-        spans: list[int] = []
-        crcs: list[int] = []
+        payloads: list[Segment] = []
+        spans: list[tuple[int, int]] = []
         for d, pieces in items:
-            crc = checksum_pieces(pieces)
-            crcs.append(crc)
-            head = memoryview(pack_header(d.key, d.version, d.length, crc))
-            spans.append(_frame(d, head, pieces, segments))
-        errors = client.write(node, segments)
+            start = len(payloads)
+            offset = d.offset + HEADER_SIZE
+            for piece in pieces:
+                payloads.append(Segment(d.region, d.rkey, offset, piece))
+                offset += piece.nbytes
+            spans.append((start, len(payloads)))
+
+        def headers(crcs: list[int]) -> list[Segment]:
+            return [
+                Segment(
+                    d.region,
+                    d.rkey,
+                    d.offset,
+                    memoryview(pack_header(d.key, d.version, d.length, crc)),
+                )
+                for (d, _), crc in zip(items, crcs, strict=True)
+            ]
+
+        errors, crcs = client.write_checksummed(node, payloads, spans, headers)
+        heads = errors[len(payloads) :]
         return [
-            crc if ok else None for crc, ok in zip(crcs, _per_record(errors, spans), strict=True)
+            crc if heads[i] is None and all(e is None for e in errors[start:stop]) else None
+            for i, ((start, stop), crc) in enumerate(zip(spans, crcs, strict=True))
         ]
 
 
@@ -314,24 +326,13 @@ class RecordIO:
 
 def _frame(
     d: Descriptor, head: memoryview, pieces: Sequence[memoryview], out: list[Segment]
-) -> int:
-    """Append one record's segments (header, then each payload piece); returns how many."""
+) -> None:
+    """Append one record's segments to read: its header, then each payload piece."""
     out.append(Segment(d.region, d.rkey, d.offset, head))
     offset = d.offset + HEADER_SIZE
     for piece in pieces:
         out.append(Segment(d.region, d.rkey, offset, piece))
         offset += piece.nbytes
-    return 1 + len(pieces)
-
-
-def _per_record(errors: Sequence[TransportError | None], spans: Sequence[int]) -> list[bool]:
-    """Whether every segment of each record went through, from per-segment errors."""
-    ok: list[bool] = []
-    start = 0
-    for span in spans:
-        ok.append(all(e is None for e in errors[start : start + span]))
-        start += span
-    return ok
 
 
 def _plan_reads(
@@ -365,41 +366,6 @@ def _plan_reads(
         header = headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
         per_node.setdefault(d.node, []).append(_Read(i, keys[i], d, header, pieces))
     return per_node
-
-
-def _land(client: TransportClient, node: int, items: list[_Read]) -> None:
-    segments: list[Segment] = []
-    spans = [_frame(item.descriptor, item.header, item.pieces, segments) for item in items]
-    errors = client.read(node, segments)
-    for item, ok in zip(items, _per_record(errors, spans), strict=True):
-        item.refused = not ok
-
-
-def _validate(items: list[_Read]) -> int:
-    landed = 0
-    for item in items:
-        if item.refused:
-            continue
-        landed += item.descriptor.length
-        try:
-            validate_record(item.header, item.pieces, item.descriptor, item.key)
-        except ValidationError as exc:
-            log.info("kvfabric: record for key %s invalid (%s): miss", item.key.hex(), exc)
-            continue
-        item.result = item.pieces[0]
-    return landed
-
-
-def _split_by_bytes(items: list[_Read], group_bytes: int) -> list[list[_Read]]:
-    groups: list[list[_Read]] = [[]]
-    size = 0
-    for item in items:
-        if size >= group_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(item)
-        size += item.descriptor.length
-    return groups
 
 
 def value_pieces(value: Any) -> list[memoryview]:

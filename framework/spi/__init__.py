@@ -4,8 +4,9 @@ A plugin imports ``kvfabric.spi`` (and the public ``kvfabric`` API: errors, keys
 descriptor) and nothing else; ruff enforces this for the built-in plugins. Here are the hook
 specifications and registries, the ``Transport``, ``Backend`` and ``Index`` base classes,
 the values that cross them, and the helpers a plugin needs (buffers, counters, wire codec,
-record format, slot allocator, sizes and durations; and from ``kvfabric.spi.native`` the
-batch CRC32C, copies and socket loops that take the GIL back once per batch). A transport's
+record format, slot allocator, sizes and durations, region prefaulting; and from
+``kvfabric.spi.native`` the batch CRC32C, copies, socket loops and prefaulting that take the
+GIL back once per batch). A transport's
 client subclasses ``PeerClient`` and writes only its primitives: the peer table, the
 segment checks (``plan_batch``; ``RegionTable`` on a server) and the error boundary
 (``map_exceptions``) are here, once.
@@ -15,7 +16,14 @@ from __future__ import annotations
 
 from kvfabric.spi.backend import Backend, BackendConfig, MemoryKind, Region, new_rkey
 from kvfabric.spi.boundary import SOCKET_ERRORS, ExceptionMapping, map_exceptions
-from kvfabric.spi.buffers import GIL_FREE_COPY_MIN, address_of, byte_view, copy_into, writable_view
+from kvfabric.spi.buffers import (
+    GIL_FREE_COPY_MIN,
+    address_of,
+    byte_view,
+    copy_into,
+    prefault_all,
+    writable_view,
+)
 from kvfabric.spi.codec import Reader, Writer
 from kvfabric.spi.counters import CLIENT_COUNTERS, Counters
 from kvfabric.spi.hooks import hookimpl, hookspec
@@ -38,6 +46,7 @@ from kvfabric.spi.native import (
     copy_many,
     crc32c_many,
     gil_reacquisitions,
+    prefault,
     recv_into_all,
     request_reply,
     send_all,
@@ -164,6 +173,8 @@ __all__ = [
     "parse_size",
     "plan_batch",
     "plugin_manager",
+    "prefault",
+    "prefault_all",
     "record_size",
     "recv_into_all",
     "request_reply",

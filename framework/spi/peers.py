@@ -4,9 +4,11 @@ A transport's client subclasses :class:`PeerClient` with its own per-node state 
 writes the primitives (fsspec style): ``open_peer`` / ``close_peer`` for one node, and
 ``read_segments`` / ``write_segments`` for one node's planned :class:`~kvfabric.spi.Batch`.
 It inherits the API the framework calls (``connect``, ``reachable``, ``read``, ``write``,
-``disconnect``, ``close``): the table of nodes, the checks of every segment before anything
-moves (:func:`~kvfabric.spi.plan_batch`), the call's deadline, and the mapping of native
-exceptions (``native_errors``) at each primitive.
+``read_checksummed``, ``write_checksummed``, ``disconnect``, ``close``): the table of nodes,
+the checks of every segment before anything moves (:func:`~kvfabric.spi.plan_batch`), the
+call's deadline, the mapping of native exceptions (``native_errors``) at each primitive,
+and the CRC32C of every record a batch moves: taken by the primitive while bytes move where
+it can (``Batch.crcs``), else in one native call for the batch.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import abc
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar, Generic, TypeVar
 
 from kvfabric.errors import TransportError
@@ -63,6 +65,11 @@ class PeerClient(TransportClient, Generic[P]):
 
     native_errors: ClassVar[ExceptionMapping] = SOCKET_ERRORS
     """Exceptions the primitives may raise, and what each becomes (first match wins)."""
+    checksums_writes: ClassVar[bool] = False
+    """``write_segments`` sets ``batch.crcs`` (the CRC32C of each span's source bytes) as it
+    writes, when the batch has ``crc_spans``. A checksummed write then stores the payloads
+    in one call and the trailer (the headers, made from those CRCs) in a second; otherwise
+    the CRCs come first, in one native call, and one call stores payloads and trailer."""
 
     def __init__(self, config: TransportConfig) -> None:
         self.config = config
@@ -85,12 +92,17 @@ class PeerClient(TransportClient, Generic[P]):
 
         The segments are checked already. Raise when the node as a whole cannot be used
         (a native exception is mapped by ``native_errors``); call ``batch.refuse(i, why)``
-        for a segment the node itself refused.
+        for a segment the node itself refused. When ``batch.crc_spans`` is set, a primitive
+        that can checksum while bytes land sets ``batch.crcs``; one that does not leaves it
+        None and the batch is checksummed after it returns.
         """
 
     @abc.abstractmethod
     def write_segments(self, peer: P, batch: Batch) -> None:
-        """Store every segment's buffer in the node's memory; same contract as reads."""
+        """Store every segment's buffer in the node's memory; same contract as reads.
+
+        With :attr:`checksums_writes`, set ``batch.crcs`` when ``batch.crc_spans`` is set.
+        """
 
     def describe(self, endpoint: NodeEndpoint) -> str:
         """How errors name the node (e.g. with its address)."""
@@ -121,18 +133,46 @@ class PeerClient(TransportClient, Generic[P]):
         self._check_open()
 
     def read(self, node: int, segments: Sequence[Segment]) -> list[TransportError | None]:
-        entry, batch = self._plan(node, segments, into_buffers=True)
-        if batch.segments:
-            with entry.boundary:
-                self.read_segments(entry.state, batch)
+        entry = self._entry(node)
+        batch = self._plan(entry, segments, into_buffers=True)
+        self._move(entry, batch, self.read_segments)
         return batch.errors
 
     def write(self, node: int, segments: Sequence[Segment]) -> list[TransportError | None]:
-        entry, batch = self._plan(node, segments, into_buffers=False)
-        if batch.segments:
-            with entry.boundary:
-                self.write_segments(entry.state, batch)
+        entry = self._entry(node)
+        batch = self._plan(entry, segments, into_buffers=False)
+        self._move(entry, batch, self.write_segments)
         return batch.errors
+
+    def read_checksummed(
+        self, node: int, segments: Sequence[Segment], crc_spans: Sequence[tuple[int, int]]
+    ) -> tuple[list[TransportError | None], list[int]]:
+        entry = self._entry(node)
+        batch = self._plan(entry, segments, into_buffers=True, crc_spans=crc_spans)
+        self._move(entry, batch, self.read_segments)
+        return batch.errors, batch.crcs if batch.crcs is not None else batch.checksum()
+
+    def write_checksummed(
+        self,
+        node: int,
+        segments: Sequence[Segment],
+        crc_spans: Sequence[tuple[int, int]],
+        trailer: Callable[[list[int]], Sequence[Segment]],
+    ) -> tuple[list[TransportError | None], list[int]]:
+        entry = self._entry(node)
+        batch = self._plan(entry, segments, into_buffers=False, crc_spans=crc_spans)
+        if self.checksums_writes:
+            self._move(entry, batch, self.write_segments)
+            crcs = batch.crcs if batch.crcs is not None else batch.checksum()
+            # A second call: the trailer is stored only once every payload byte is.
+            tail = self._plan(entry, trailer(crcs), into_buffers=False, deadline=batch.deadline)
+            self._move(entry, tail, self.write_segments)
+            return batch.errors + tail.errors, crcs
+        crcs = batch.checksum()
+        tail = self._plan(entry, trailer(crcs), into_buffers=False, deadline=batch.deadline)
+        both = _joined(batch, tail)
+        self._move(entry, both, self.write_segments)
+        return both.errors, crcs
 
     def disconnect(self, node: int) -> None:
         with self._table_lock:
@@ -150,17 +190,35 @@ class PeerClient(TransportClient, Generic[P]):
 
     # -- the shared work ----------------------------------------------------------------
 
-    def _plan(
-        self, node: int, segments: Sequence[Segment], *, into_buffers: bool
-    ) -> tuple[_Entry[P], Batch]:
-        deadline = time.monotonic() + self.config.timeout
+    def _entry(self, node: int) -> _Entry[P]:
         entry = self._peers.get(node)  # one dict read is atomic; the lock orders changes
         if entry is None:
             raise TransportError(f"not connected to node {node}")
-        batch = plan_batch(
-            node, segments, entry.regions, into_buffers=into_buffers, deadline=deadline
+        return entry
+
+    def _plan(
+        self,
+        entry: _Entry[P],
+        segments: Sequence[Segment],
+        *,
+        into_buffers: bool,
+        crc_spans: Sequence[tuple[int, int]] | None = None,
+        deadline: float | None = None,
+    ) -> Batch:
+        return plan_batch(
+            entry.endpoint.node,
+            segments,
+            entry.regions,
+            into_buffers=into_buffers,
+            deadline=time.monotonic() + self.config.timeout if deadline is None else deadline,
+            crc_spans=crc_spans,
         )
-        return entry, batch
+
+    @staticmethod
+    def _move(entry: _Entry[P], batch: Batch, primitive: Callable[[P, Batch], None]) -> None:
+        if batch.segments:
+            with entry.boundary:
+                primitive(entry.state, batch)
 
     def _release(self, entry: _Entry[P]) -> None:
         try:
@@ -174,3 +232,15 @@ class PeerClient(TransportClient, Generic[P]):
     def _check_open(self) -> None:
         if self._closed:
             raise TransportError("this transport client is closed")
+
+
+def _joined(first: Batch, second: Batch) -> Batch:
+    """One batch of ``first``'s segments then ``second``'s (whose CRCs are known already)."""
+    offset = len(first.errors)
+    return Batch(
+        first.node,
+        first.segments + second.segments,
+        first.positions + [p + offset for p in second.positions],
+        first.errors + second.errors,
+        first.deadline,
+    )

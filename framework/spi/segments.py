@@ -11,10 +11,12 @@ rest of its batch still does.
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvfabric.errors import TransportError
+from kvfabric.spi.native import crc32c_many
 from kvfabric.spi.transport import RegionHandle, Segment
 
 __all__ = ["Batch", "RegionTable", "SegmentStatus", "plan_batch", "segment_status"]
@@ -65,9 +67,17 @@ class Batch:
     ``'B'`` buffer (the caller's memory, never a copy). ``errors`` has one entry per segment
     the caller passed: ``None`` unless planning refused it or a primitive calls
     :meth:`refuse`. ``deadline`` (``time.monotonic()``) bounds the whole call.
+
+    ``crc_spans``: when the caller asked for checksums, ``(start, stop)`` ranges of
+    ``segments`` (in order, not overlapping; an empty range is an empty payload) whose
+    bytes make one CRC32C each, one per range the caller passed. A primitive that can
+    checksum while it moves bytes (``native.copy_many``, ``native.recv_into_all`` with
+    ``crc_spans``) sets ``crcs``, one per span: for a read, of the bytes as they landed;
+    for a write, of the source bytes it stored. Otherwise ``crcs`` stays None and
+    :meth:`checksum` computes them in one native call.
     """
 
-    __slots__ = ("deadline", "errors", "node", "positions", "segments")
+    __slots__ = ("crc_spans", "crcs", "deadline", "errors", "node", "positions", "segments")
 
     def __init__(
         self,
@@ -76,12 +86,24 @@ class Batch:
         positions: list[int],
         errors: list[TransportError | None],
         deadline: float,
+        crc_spans: list[tuple[int, int]] | None = None,
     ) -> None:
         self.node = node
         self.segments = segments
         self.positions = positions
         self.errors = errors
         self.deadline = deadline
+        self.crc_spans = crc_spans
+        self.crcs: list[int] | None = None
+
+    def checksum(self) -> list[int]:
+        """The CRC32C of each span's buffers as they are now: one native call, one release
+        of the GIL for the whole batch ([] without spans)."""
+        spans = self.crc_spans
+        if not spans:
+            return []
+        segs = self.segments
+        return crc32c_many([[segs[i].buffer for i in range(a, b)] for a, b in spans])
 
     def refuse(self, index: int, reason: str) -> None:
         """Record that the node refused ``segments[index]`` (e.g. a status in its reply)."""
@@ -98,12 +120,19 @@ def plan_batch(
     *,
     into_buffers: bool,
     deadline: float,
+    crc_spans: Sequence[tuple[int, int]] | None = None,
 ) -> Batch:
     """Check every segment before anything moves; ``into_buffers``: a read (buffers written).
 
     A refused segment gets a :class:`~kvfabric.errors.TransportError` saying why: unknown
     region, bad rkey, out of bounds, a non-contiguous buffer, or a read into a read-only one
     (which would otherwise overwrite an immutable object such as ``bytes``).
+
+    ``crc_spans``: ``(start, stop)`` ranges of ``segments`` (the caller's indices, in order,
+    not overlapping) whose bytes make one CRC32C each; they become the batch's
+    ``crc_spans``, ranges of its accepted segments. A refused segment drops out of its span
+    (whose CRC the caller then ignores: the segment has an error) and an empty one adds
+    nothing to it.
     """
     accepted: list[Segment] = []
     positions: list[int] = []
@@ -130,7 +159,26 @@ def plan_batch(
         elif length:
             accepted.append(seg)
             positions.append(i)
-    return Batch(node, accepted, positions, errors, deadline)
+    spans = None if crc_spans is None else _accepted_spans(crc_spans, positions, len(segments))
+    return Batch(node, accepted, positions, errors, deadline, spans)
+
+
+def _accepted_spans(
+    spans: Sequence[tuple[int, int]], positions: list[int], count: int
+) -> list[tuple[int, int]]:
+    """Caller-index spans as ranges of the accepted segments (``positions`` is sorted)."""
+    previous = 0
+    for start, stop in spans:
+        if not previous <= start <= stop <= count:
+            raise ValueError(
+                f"crc span ({start}, {stop}) of {count} segments: spans must be in order, "
+                "not overlap and lie within the segments"
+            )
+        previous = stop
+    if len(positions) == count:  # every segment accepted: the indices are the same
+        return [(start, stop) for start, stop in spans]
+    left = bisect.bisect_left
+    return [(left(positions, start), left(positions, stop)) for start, stop in spans]
 
 
 _NOT_FLAT = "the buffer is not C-contiguous; pass a contiguous buffer (or one per piece)"

@@ -18,7 +18,7 @@ segment checks, error mapping) and leaves the transport its primitives.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -26,6 +26,7 @@ import attrs
 from kvfabric.errors import TransportError
 from kvfabric.spi.backend import MemoryKind, Region
 from kvfabric.spi.codec import Reader, Writer
+from kvfabric.spi.native import crc32c_many
 from kvfabric.spi.options import Plugin
 
 __all__ = [
@@ -169,11 +170,61 @@ class TransportClient(abc.ABC):
     def write(self, node: int, segments: Sequence[Segment]) -> list[TransportError | None]:
         """Store every segment's buffer; same contract as :meth:`read`."""
 
+    def read_checksummed(
+        self, node: int, segments: Sequence[Segment], crc_spans: Sequence[tuple[int, int]]
+    ) -> tuple[list[TransportError | None], list[int]]:
+        """:meth:`read`, and the CRC32C of what landed in each ``(start, stop)`` span.
+
+        Spans are ranges of ``segments`` (in order, not overlapping); a reader asks for one
+        per record's payload and checks it against the record's header instead of reading
+        the payload again. A span holding a refused segment has a CRC to ignore. This
+        default reads, then checksums every span in one native call (one return of the GIL
+        for the batch); :class:`~kvfabric.spi.PeerClient` lets a transport checksum while
+        bytes land.
+        """
+        errors = self.read(node, segments)
+        return errors, crc32c_many(_span_buffers(segments, crc_spans, errors))
+
+    def write_checksummed(
+        self,
+        node: int,
+        segments: Sequence[Segment],
+        crc_spans: Sequence[tuple[int, int]],
+        trailer: Callable[[list[int]], Sequence[Segment]],
+    ) -> tuple[list[TransportError | None], list[int]]:
+        """Store ``segments``, then the segments ``trailer`` makes from their CRC32Cs.
+
+        For records: each span of ``segments`` is one record's payload, and ``trailer``
+        gets the CRC32C of each span's source bytes and returns the records' headers, which
+        carry them. Every trailer segment is stored after every payload segment is (a reader
+        never sees a header before its payload). Returns an error per segment, then per
+        trailer segment (as :meth:`write`), and the CRCs. This default checksums the spans
+        in one native call, then writes payloads and trailer in one :meth:`write`;
+        :class:`~kvfabric.spi.PeerClient` lets a transport checksum while it writes.
+        """
+        crcs = crc32c_many(_span_buffers(segments, crc_spans, None))
+        tail = trailer(crcs)
+        return self.write(node, [*segments, *tail]), crcs
+
     def disconnect(self, node: int) -> None:
         """Forget a node (it left or died)."""
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+
+def _span_buffers(
+    segments: Sequence[Segment],
+    spans: Sequence[tuple[int, int]],
+    errors: Sequence[TransportError | None] | None,
+) -> list[list[memoryview]]:
+    """Each span's buffers; none for a span holding a refused (or non-contiguous) segment."""
+    out: list[list[memoryview]] = []
+    for start, stop in spans:
+        buffers = [segments[i].buffer for i in range(start, stop)]
+        refused = errors is not None and any(errors[i] is not None for i in range(start, stop))
+        out.append([] if refused or not all(b.c_contiguous for b in buffers) else buffers)
+    return out
 
 
 class Transport(Plugin, abc.ABC):

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 import attrs
+import crc32c
 import numpy as np
 import pytest
 
@@ -353,6 +354,77 @@ class TransportConformance:
         dest = np.zeros((64, 256), dtype=np.float32)
         assert client.read(1, [Segment(handle.region, handle.rkey, 0, dest.data)]) == [None]
         assert np.array_equal(dest, source)
+
+    # -- checksums with the bytes ---------------------------------------------------------
+
+    def test_a_checksummed_read_gives_each_span_the_crc_of_what_landed(
+        self, client: TransportClient, endpoint: NodeEndpoint
+    ) -> None:
+        # Records as a reader frames them: a header, then one or more payload pieces; a
+        # span per payload, and an empty payload whose span is empty.
+        pieces = [_pattern(n, 20 + n) for n in (64, 300_000, 4096, 1, 64, 64, 1 << 20)]
+        offsets = [0]
+        for piece in pieces[:-1]:
+            offsets.append(offsets[-1] + len(piece))
+        writes = [segment_for(endpoint, 0, o, p) for o, p in zip(offsets, pieces, strict=True)]
+        assert client.write(1, writes) == [None] * len(pieces)
+        dests = [bytearray(len(p)) for p in pieces]
+        reads = [segment_for(endpoint, 0, o, d) for o, d in zip(offsets, dests, strict=True)]
+        spans = [(1, 3), (4, 4), (5, 7)]
+        errors, crcs = client.read_checksummed(1, reads, spans)
+        assert errors == [None] * len(pieces)
+        assert dests == pieces
+        assert crcs == [crc32c.crc32c(b"".join(pieces[a:b])) for a, b in spans]
+
+    def test_a_checksummed_read_refuses_a_bad_segment_and_lands_and_checksums_the_rest(
+        self, client: TransportClient, endpoint: NodeEndpoint
+    ) -> None:
+        data = _pattern(8192, 30)
+        assert client.write(1, [segment_for(endpoint, 0, 0, data)]) == [None]
+        handle = endpoint.regions[0]
+        refused = bytearray(b"\xaa" * 16)
+        dest = bytearray(8192)
+        reads = [
+            Segment(handle.region, handle.rkey ^ 1, 0, memoryview(refused)),
+            segment_for(endpoint, 0, 0, dest),
+        ]
+        errors, crcs = client.read_checksummed(1, reads, [(0, 1), (1, 2)])
+        assert _refused(errors[0], "rkey")
+        assert errors[1] is None
+        assert refused == b"\xaa" * 16
+        assert dest == data
+        assert crcs[1] == crc32c.crc32c(data)
+
+    def test_a_checksummed_write_stores_payloads_then_the_trailer_made_of_their_crcs(
+        self, client: TransportClient, endpoint: NodeEndpoint
+    ) -> None:
+        payloads = [_pattern(n, 40 + n) for n in (200_000, 5000, 1 << 20)]
+        # Record i's payload at 64 + its offset, its 8-byte trailer (its CRC, twice) at 0 of
+        # the other region, as a header is written after its payload.
+        offsets = [64, 64 + 200_000, 64 + 205_000]
+        writes = [segment_for(endpoint, 0, o, p) for o, p in zip(offsets, payloads, strict=True)]
+        made: list[list[int]] = []
+
+        def trailer(crcs: list[int]) -> list[Segment]:
+            made.append(list(crcs))
+            return [
+                segment_for(endpoint, 1, 8 * i, crc.to_bytes(4, "little") * 2)
+                for i, crc in enumerate(crcs)
+            ]
+
+        spans = [(0, 1), (1, 3)]
+        errors, crcs = client.write_checksummed(1, writes, spans, trailer)
+        assert errors == [None] * (len(writes) + len(spans))
+        want = [crc32c.crc32c(payloads[0]), crc32c.crc32c(payloads[1] + payloads[2])]
+        assert crcs == want
+        assert made == [want]
+        dests = [bytearray(len(p)) for p in payloads] + [bytearray(16)]
+        reads = [
+            segment_for(endpoint, 0, o, d) for o, d in zip(offsets, dests[:-1], strict=True)
+        ]
+        assert client.read(1, [*reads, segment_for(endpoint, 1, 0, dests[-1])]) == [None] * 4
+        assert dests[:-1] == payloads
+        assert dests[-1] == b"".join(c.to_bytes(4, "little") * 2 for c in want)
 
     # -- what is refused before anything moves ------------------------------------------
 

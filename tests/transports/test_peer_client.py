@@ -8,7 +8,9 @@ how often the base class calls each primitive, so the table's rules show as exac
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
+import crc32c
 import pytest
 
 from kvfabric.errors import ProtocolError, TransportError, TransportTimeoutError
@@ -21,6 +23,7 @@ from kvfabric.spi import (
     RegionTable,
     Segment,
     SegmentStatus,
+    TransportClient,
     TransportConfig,
     map_exceptions,
     plan_batch,
@@ -45,6 +48,8 @@ class _InProcessClient(PeerClient[_Memory]):
         self.opened: list[NodeEndpoint] = []
         self.closed: list[_Memory] = []
         self.failure = failure
+        self.writes: list[list[int]] = []
+        """The offsets of each write primitive call's segments, in order."""
 
     def open_peer(self, endpoint: NodeEndpoint) -> _Memory:
         self.opened.append(endpoint)
@@ -61,11 +66,31 @@ class _InProcessClient(PeerClient[_Memory]):
             seg.buffer[:] = peer.data[seg.offset : seg.offset + seg.buffer.nbytes]
 
     def write_segments(self, peer: _Memory, batch: Batch) -> None:
+        self.writes.append([seg.offset for seg in batch.segments])
         for i, seg in enumerate(batch.segments):
             if seg.offset == 0xBAD:  # the node itself refuses this one
                 batch.refuse(i, "the node said no")
                 continue
             peer.data[seg.offset : seg.offset + seg.buffer.nbytes] = seg.buffer
+
+
+class _ChecksummingClient(_InProcessClient):
+    """Its primitives hand over CRCs as they move bytes (sentinels: 1000 + span index)."""
+
+    checksums_writes = True
+
+    def read_segments(self, peer: _Memory, batch: Batch) -> None:
+        super().read_segments(peer, batch)
+        if batch.crc_spans is not None:
+            batch.crcs = [1000 + k for k in range(len(batch.crc_spans))]
+
+    def write_segments(self, peer: _Memory, batch: Batch) -> None:
+        super().write_segments(peer, batch)
+        if batch.crc_spans is not None:
+            batch.crcs = [
+                crc32c.crc32c(b"".join(s.buffer for s in batch.segments[a:b]))
+                for a, b in batch.crc_spans
+            ]
 
 
 def _endpoint(node: int = 1, address: bytes = b"here") -> NodeEndpoint:
@@ -218,6 +243,130 @@ def test_planning_a_write_accepts_read_only_sources_and_flattens_shaped_ones() -
     assert batch.errors == [None, None]
     flat = batch.segments[1].buffer
     assert (flat.ndim, flat.format, flat.nbytes) == (1, "B", 64)
+
+
+def test_planning_maps_crc_spans_onto_the_accepted_segments() -> None:
+    regions = {_HANDLE.region: _HANDLE}
+    buf = bytearray(8)
+    segments = [
+        _segment(0, buf),  # 0: a header
+        _segment(8, buf),  # 1
+        _segment(_SIZE, buf),  # 2: out of bounds, refused
+        _segment(16, bytearray(0)),  # 3: empty, moves nothing
+        _segment(24, buf),  # 4: a header
+        _segment(32, buf),  # 5
+    ]
+    batch = plan_batch(
+        1, segments, regions, into_buffers=True, deadline=0.0, crc_spans=[(1, 4), (4, 4), (5, 6)]
+    )
+    assert batch.positions == [0, 1, 4, 5]
+    assert batch.crc_spans == [(1, 2), (2, 2), (3, 4)]
+    assert batch.crcs is None
+
+
+@pytest.mark.parametrize("spans", [[(1, 3), (2, 4)], [(2, 1)], [(0, 7)], [(-1, 1)]])
+def test_crc_spans_out_of_order_overlapping_or_outside_are_refused(
+    spans: list[tuple[int, int]],
+) -> None:
+    segments = [_segment(8 * i, bytearray(8)) for i in range(6)]
+    with pytest.raises(ValueError, match="crc span"):
+        plan_batch(
+            1, segments, {_HANDLE.region: _HANDLE}, into_buffers=True, deadline=0.0, crc_spans=spans
+        )
+
+
+def _records(client: PeerClient[_Memory]) -> tuple[list[Segment], list[bytes]]:
+    """Two records written as a reader frames them (header, payload pieces) at 0 and 100."""
+    parts = [b"H" * 8, b"one", b"two", b"h" * 8, b"three"]
+    offsets = [0, 8, 11, 100, 108]
+    client.write(1, [_segment(o, p) for o, p in zip(offsets, parts, strict=True)])
+    return [_segment(o, bytearray(len(p))) for o, p in zip(offsets, parts, strict=True)], parts
+
+
+def test_a_checksummed_read_checksums_what_landed_when_the_primitive_does_not() -> None:
+    client = _InProcessClient()
+    client.connect(_endpoint())
+    reads, parts = _records(client)
+    errors, crcs = client.read_checksummed(1, reads, [(1, 3), (4, 5)])
+    assert errors == [None] * 5
+    assert [bytes(s.buffer) for s in reads] == parts
+    assert crcs == [crc32c.crc32c(b"onetwo"), crc32c.crc32c(b"three")]
+
+
+def test_a_checksummed_read_returns_the_crcs_the_primitive_took_while_landing() -> None:
+    client = _ChecksummingClient()
+    client.connect(_endpoint())
+    reads, parts = _records(client)
+    errors, crcs = client.read_checksummed(1, reads, [(1, 3), (4, 5)])
+    assert errors == [None] * 5
+    assert [bytes(s.buffer) for s in reads] == parts
+    assert crcs == [1000, 1001]
+
+
+def _trailer(crcs: list[int]) -> list[Segment]:
+    return [_segment(200 + 4 * i, crc.to_bytes(4, "little")) for i, crc in enumerate(crcs)]
+
+
+@pytest.mark.parametrize("client_cls", [_InProcessClient, _ChecksummingClient])
+def test_a_checksummed_write_stores_the_trailer_after_every_payload(
+    client_cls: type[_InProcessClient],
+) -> None:
+    client = client_cls()
+    client.connect(_endpoint())
+    payloads = [_segment(0, b"abc"), _segment(3, b"de"), _segment(5, b"f"), _segment(0xBAD, b"g")]
+    errors, crcs = client.write_checksummed(1, payloads, [(0, 2), (2, 3), (3, 4)], _trailer)
+    assert crcs[:2] == [crc32c.crc32c(b"abcde"), crc32c.crc32c(b"f")]
+    assert [e is None for e in errors] == [True, True, True, False, True, True, True]
+    assert "the node said no" in str(errors[3])
+    if client.checksums_writes:
+        # The payloads, checksummed as they went, then the trailer in a call of its own.
+        assert client.writes == [[0, 3, 5, 0xBAD], [200, 204, 208]]
+    else:
+        # The CRCs first, then one call: payloads, then the trailer.
+        assert client.writes == [[0, 3, 5, 0xBAD, 200, 204, 208]]
+    dest = bytearray(8)
+    assert client.read(1, [_segment(200, dest)]) == [None]
+    assert dest == crcs[0].to_bytes(4, "little") + crcs[1].to_bytes(4, "little")
+
+
+class _BareClient(TransportClient):
+    """A transport written against ``TransportClient`` alone: it inherits the checksummed
+    variants' defaults."""
+
+    def __init__(self) -> None:
+        self.memory = bytearray(_SIZE)
+        self.writes: list[int] = []
+
+    def connect(self, endpoint: NodeEndpoint) -> None:
+        pass
+
+    def read(self, node: int, segments: Sequence[Segment]) -> list[TransportError | None]:
+        for seg in segments:
+            seg.buffer[:] = self.memory[seg.offset : seg.offset + seg.buffer.nbytes]
+        return [None] * len(segments)
+
+    def write(self, node: int, segments: Sequence[Segment]) -> list[TransportError | None]:
+        self.writes.append(len(segments))
+        for seg in segments:
+            self.memory[seg.offset : seg.offset + seg.buffer.nbytes] = seg.buffer
+        return [None] * len(segments)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_transport_without_peer_client_gets_checksummed_reads_and_writes() -> None:
+    client = _BareClient()
+    payloads = [_segment(8, b"hello "), _segment(14, b"world")]
+    errors, crcs = client.write_checksummed(1, payloads, [(0, 2)], _trailer)
+    assert errors == [None] * 3
+    assert crcs == [crc32c.crc32c(b"hello world")]
+    assert client.writes == [3]  # payloads and trailer in one call
+    assert client.memory[200:204] == crcs[0].to_bytes(4, "little")
+    dests = [_segment(8, bytearray(6)), _segment(14, bytearray(5))]
+    errors, crcs = client.read_checksummed(1, dests, [(0, 1), (1, 2)])
+    assert errors == [None, None]
+    assert crcs == [crc32c.crc32c(b"hello "), crc32c.crc32c(b"world")]
 
 
 # -- the server side ----------------------------------------------------------------------

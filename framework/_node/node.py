@@ -171,10 +171,14 @@ class DataNode:
         )
 
     def stats(self) -> dict[str, int]:
-        """Capacity and every transport server's counters, prefixed with its name."""
+        """Capacity, how long preparing the memory took at start, and every transport
+        server's counters, prefixed with its name."""
         counters = {
             "capacity_bytes": sum(r.size for r in self.backend.regions()),
             "regions": len(self.backend.regions()),
+            # Backends that prefault their regions (dram, file) say how long it took; the
+            # counters are integers on the wire, hence milliseconds.
+            "prefault_ms": round(float(getattr(self.backend, "prefault_seconds", 0.0)) * 1000),
         }
         for transport, server in self.servers.items():
             for name, value in server.stats().items():

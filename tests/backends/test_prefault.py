@@ -1,0 +1,115 @@
+"""Memory ready before the first put: the ``dram`` and ``file`` backends prefault their regions
+at start (on by default, ``NAME.prefault=false`` to turn it off), and the node reports how
+long it took (``prefault_ms``, and a log line)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from kvfabric.errors import ConfigError
+from kvfabric.spi import Backend, BackendConfig, PluginOptions, plugin_manager
+from kvfabric.testing import Cluster
+
+_MIB = 1 << 20
+
+
+def _prefault_seconds(backend: Backend) -> float:
+    # Not part of the Backend interface: what the built-in backends tell the node.
+    return float(getattr(backend, "prefault_seconds"))  # noqa: B009
+
+
+def _allocated(path: str | None) -> int:
+    """Bytes of the region's memory (memfd pages, file blocks) actually allocated."""
+    assert path is not None
+    return os.stat(path).st_blocks * 512
+
+
+def _backend(name: str, tmp_path: Path, **options: str) -> Backend:
+    cls = plugin_manager().backend(name)
+    parsed = PluginOptions({name: options}).claim(cls) if options else cls.parse_options({})
+    return cls(
+        BackendConfig(
+            capacity=24 * _MIB,
+            region_size=8 * _MIB,
+            path=str(tmp_path / "data") if name == "file" else None,
+            options=parsed,
+        )
+    )
+
+
+@pytest.mark.parametrize("name", ["dram", "file"])
+def test_every_region_is_allocated_in_full_at_start(name: str, tmp_path: Path) -> None:
+    backend = _backend(name, tmp_path)
+    try:
+        regions = backend.regions()
+        assert len(regions) == 3
+        for region in regions:
+            assert _allocated(region.path) >= region.size
+        assert _prefault_seconds(backend) > 0
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("name", ["dram", "file"])
+def test_prefault_off_leaves_the_memory_to_be_allocated_as_it_fills(
+    name: str, tmp_path: Path
+) -> None:
+    backend = _backend(name, tmp_path, prefault="false")
+    try:
+        for region in backend.regions():
+            assert _allocated(region.path) < region.size
+        assert _prefault_seconds(backend) == 0
+    finally:
+        backend.close()
+
+
+def test_prefaulting_a_file_keeps_what_it_holds(tmp_path: Path) -> None:
+    backend = _backend("file", tmp_path, prefault="false")
+    region = backend.regions()[1]
+    region.view[4096:4100] = b"kept"
+    backend.close()
+    backend = _backend("file", tmp_path)
+    try:
+        region = backend.regions()[1]
+        assert bytes(region.view[4096:4100]) == b"kept"
+        assert _allocated(region.path) >= region.size
+    finally:
+        backend.close()
+
+
+def test_a_bad_prefault_value_is_refused() -> None:
+    with pytest.raises(ConfigError, match="prefault"):
+        PluginOptions({"dram": {"prefault": "maybe"}}).claim(plugin_manager().backend("dram"))
+
+
+def test_a_node_reports_its_prefault_time_in_a_log_line_and_its_stats() -> None:
+    with Cluster(nodes=1, transports=("tcp",), capacity="64MiB") as cluster:
+        stats = next(v for k, v in _node_stats(cluster).items() if k.startswith("node"))
+        log = (cluster.logs / "node0.log").read_text()
+    assert "64.0 MiB prefaulted in" in log
+    assert stats["prefault_ms"] >= 0
+    assert stats["capacity_bytes"] == 64 * _MIB
+
+
+def test_a_node_with_prefault_off_reports_zero() -> None:
+    node_args = ["--backend-opt", "dram.prefault=false"]
+    with Cluster(nodes=1, transports=("tcp",), capacity="64MiB", node_args=node_args) as cluster:
+        stats = next(v for k, v in _node_stats(cluster).items() if k.startswith("node"))
+        log = (cluster.logs / "node0.log").read_text()
+    assert stats["prefault_ms"] == 0
+    assert "prefaulted" not in log
+
+
+def _node_stats(cluster: Cluster) -> dict[str, dict[str, int]]:
+    """The controller's stats, once the node's first heartbeat carried its counters."""
+    deadline = time.monotonic() + 30
+    while True:
+        stats = cluster.stats()
+        if any(k.startswith("node") and "prefault_ms" in v for k, v in stats.items()):
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)

@@ -54,6 +54,9 @@ from kvfabric.spi import (
 
 __all__ = ["MemoryIndex"]
 
+# Bytes of the lookup image by default: 2 ** 18 buckets, ~64k entries at a quarter full
+# (its pages are only backed once written).
+_IMAGE_SIZE = 16 << 20
 # How many of the least recently used entries an eviction compares (sampled LRU).
 _EVICTION_SAMPLE = 8
 # How many candidate windows (around the oldest entries, and around retired slots) a put
@@ -116,20 +119,21 @@ class MemoryIndex(IndexPlugin):
         OptionSpec(
             name="image",
             parse=parse_size,
-            default=16 << 20,
+            default=_IMAGE_SIZE,
             help="size of the lookup image clients read one-sided, once asked for "
-            "(at most; a quarter full it holds ~1 key per 256 bytes; 0: keep none)",
+            "(a power of two of 64-byte buckets; it answers best up to a quarter full, ~1 "
+            "entry per 256 bytes, and keys past that fall back to RPC; 0: keep none)",
         ),
     )
 
     @classmethod
     def create(cls, config: IndexConfig) -> MemoryIndex:
-        options = cls.parse_options(config.options)
+        # A subclass may declare other options: then it gets the default image.
         return cls(
             lease=config.lease,
             grace=config.grace,
             headroom=config.headroom,
-            image_size=options["image"],
+            image_size=config.options.get("image", _IMAGE_SIZE),
         )
 
     def __init__(
@@ -138,7 +142,7 @@ class MemoryIndex(IndexPlugin):
         lease: float = 30.0,
         grace: float = 2.0,
         headroom: float = 0.05,
-        image_size: int = 16 << 20,
+        image_size: int = _IMAGE_SIZE,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``lease``: seconds a writer has between allocate and publish. ``grace``: seconds a

@@ -27,6 +27,14 @@ from kvfabric.spi.buffers import (
 from kvfabric.spi.codec import Reader, Writer
 from kvfabric.spi.counters import CLIENT_COUNTERS, Counters
 from kvfabric.spi.hooks import hookimpl, hookspec
+from kvfabric.spi.image import (
+    IMAGE_NODE,
+    IMAGE_REGION,
+    ImageGeometry,
+    ImageStop,
+    image_beat,
+    image_store,
+)
 from kvfabric.spi.index import (
     AllocateResult,
     Allocation,
@@ -104,6 +112,8 @@ __all__ = [
     "GIL_RELEASE_MIN",
     "GROUPS",
     "HEADER_SIZE",
+    "IMAGE_NODE",
+    "IMAGE_REGION",
     "IOV_MAX",
     "MAGIC",
     "SLOT_ALIGN",
@@ -121,6 +131,8 @@ __all__ = [
     "Failure",
     "FoundRecord",
     "GrantRef",
+    "ImageGeometry",
+    "ImageStop",
     "Index",
     "IndexConfig",
     "IndexPlugin",
@@ -162,6 +174,8 @@ __all__ = [
     "group_plugin_options",
     "hookimpl",
     "hookspec",
+    "image_beat",
+    "image_store",
     "installed_plugins",
     "map_exceptions",
     "new_rkey",

@@ -16,6 +16,7 @@ import attrs
 
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ProtocolError
+from kvfabric.spi.backend import Region
 from kvfabric.spi.codec import Reader, Writer
 from kvfabric.spi.options import Plugin
 from kvfabric.spi.transport import NodeEndpoint
@@ -223,6 +224,12 @@ class Index(abc.ABC):
     def stats(self) -> dict[str, int]:
         """Counters and gauges (entries, capacity, hits, evictions, ...)."""
 
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Clients used these keys without asking the index (they read its lookup image):
+        count them as used now, so eviction still sees the use. Clients send these in the
+        background, batched, at most about once a second. By default: a resolve."""
+        self.resolve(keys)
+
 
 @attrs.frozen(kw_only=True)
 class IndexConfig:
@@ -286,6 +293,12 @@ class IndexPlugin(Plugin, Index):
 
     def tick(self) -> None:
         """Periodic upkeep (lease expiry, retired slots); the owner calls it every ~0.25 s."""
+
+    def lookup_image(self) -> Region | None:
+        """The index's lookup image (:mod:`kvfabric.spi.image`), kept up to date from this
+        call on; None when the index keeps none. A controller that serves the image asks
+        once, registers it with its transport servers and tells clients where it is."""
+        return None
 
     def close(self) -> None:
         """Release what the index holds (connections, threads)."""

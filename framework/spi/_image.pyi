@@ -1,0 +1,28 @@
+# Types of the C extension built from framework/spi/csrc/image.c (contracts: kvfabric.spi.image).
+from collections.abc import Sequence
+
+from _typeshed import ReadableBuffer, WriteableBuffer
+
+def image_store(
+    image: WriteableBuffer, bucket: int, wire: bytes | None, overflow: int, /
+) -> None: ...
+def image_beat(image: WriteableBuffer, alive: bool, /) -> None: ...
+def image_prefix(
+    image: ReadableBuffer,
+    keys: Sequence[bytes],
+    image_id: int,
+    positions: ReadableBuffer | None,
+    max_age: float,
+    /,
+) -> tuple[int, int, bytes]: ...
+def image_exists(
+    image: ReadableBuffer,
+    keys: Sequence[bytes],
+    image_id: int,
+    positions: ReadableBuffer | None,
+    max_age: float,
+    /,
+) -> tuple[bool, bytes]: ...
+def image_windows(
+    keys: Sequence[bytes], log2_buckets: int, window: int, /
+) -> tuple[bytes, bytes]: ...

@@ -6,16 +6,24 @@ and answered; any frame it cannot serve gets an ERROR reply (its code taken from
 never from the message) and the loop goes on. Data nodes register and heartbeat; a node that
 deregisters (it is stopping) is dropped with all its entries at once, and a node silent for
 ``node_timeout`` the same way.
+
+Given transport servers for it (``kvfabric controller --transport tcp,shm``; ``serve`` lends
+its node's), the controller asks its index for a lookup image (:mod:`kvfabric.spi.image`),
+registers it with each server like a region and tells clients where it is (``IMAGE``):
+clients then answer lookups by reading it one-sided, and the controller does nothing per
+such lookup. The index restamps the image's heartbeat at every tick of the loop, so a
+client mapping it on this host stops trusting it once the controller stops.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import zmq
@@ -23,9 +31,11 @@ import zmq
 from kvfabric._control.security import Credentials
 from kvfabric._wire import protocol as p
 from kvfabric._wire.protocol import REPLY_BIT, ErrorCode, MsgType
-from kvfabric.errors import ProtocolError
+from kvfabric.errors import KvfabricError, ProtocolError
 from kvfabric.spi.codec import Reader, Writer
+from kvfabric.spi.image import IMAGE_NODE, ImageGeometry, host_identity
 from kvfabric.spi.index import IndexPlugin, NodeInfo
+from kvfabric.spi.transport import NodeEndpoint, TransportServer
 
 __all__ = ["Controller"]
 
@@ -42,6 +52,7 @@ _CLIENT_TYPES = frozenset(
         MsgType.PUBLISH,
         MsgType.ABORT,
         MsgType.UNPUBLISH,
+        MsgType.IMAGE,
     }
 )
 
@@ -61,7 +72,10 @@ class Controller:
         node_timeout: float = 3.0,
         tick: float = 0.25,
         credentials: Credentials | None = None,
+        image_servers: Mapping[str, TransportServer] | None = None,
     ) -> None:
+        """``image_servers``: transport servers (by name) to serve the index's lookup image
+        on; none: clients look everything up by RPC."""
         self.listen = listen
         self.index = index
         self.node_timeout = node_timeout
@@ -76,6 +90,8 @@ class Controller:
         self._node_stats: dict[int, dict[str, int]] = {}
         self._counters: Counter[str] = Counter()
         self._stopping = threading.Event()
+        self._image_servers = dict(image_servers or {})
+        self.image: p.ImageLocation | None = None
         # A handler decodes the request and returns what applying it does: the frame is
         # checked whole (no trailing bytes) between the two, so a frame refused for any
         # reason has no effect.
@@ -95,6 +111,8 @@ class Controller:
             MsgType.RESTORE: self._restore,
             MsgType.RESTORE_DONE: self._restore_done,
             MsgType.REPORT_INVALID: self._report_invalid,
+            MsgType.IMAGE: self._image_location,
+            MsgType.TOUCH: self._touch,
         }
 
     # -- serving ---------------------------------------------------------------------------
@@ -111,6 +129,7 @@ class Controller:
                 self._credentials.secure_server(sock)
             sock.bind(self.listen)
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.image = self._publish_image()
             log.info("controller listening on %s (epoch %x)", self.endpoint, self.epoch)
             if ready is not None:
                 ready(self.endpoint)
@@ -138,6 +157,45 @@ class Controller:
             if time.monotonic() >= next_tick:
                 self._maintain()
                 next_tick = time.monotonic() + self.tick
+
+    def _publish_image(self) -> p.ImageLocation | None:
+        """Register the index's lookup image with the image servers; where it is, or None."""
+        if not self._image_servers:
+            return None
+        region = self.index.lookup_image()
+        if region is None:
+            log.info("index %s keeps no lookup image: lookups go by RPC", self.index.name)
+            return None
+        endpoints = []
+        for name, server in self._image_servers.items():
+            try:
+                handle = server.register(region)
+            except KvfabricError as exc:
+                log.warning("the %s transport cannot serve the lookup image: %s", name, exc)
+                continue
+            endpoints.append(
+                NodeEndpoint(
+                    node=IMAGE_NODE, transport=name, address=server.address, regions=(handle,)
+                )
+            )
+        local = "shm" in self._image_servers and region.path is not None
+        st = os.stat(region.path) if local and region.path else None
+        geometry = ImageGeometry.from_header(region.view)
+        log.info(
+            "lookup image: %d buckets (%d bytes) over %s",
+            geometry.buckets,
+            region.size,
+            ", ".join(e.transport for e in endpoints) or "nothing",
+        )
+        return p.ImageLocation(
+            image_id=geometry.image_id,
+            size=region.size,
+            endpoints=tuple(endpoints),
+            host=host_identity() if st else b"",
+            path=region.path if st and region.path else "",
+            device=st.st_dev if st else 0,
+            inode=st.st_ino if st else 0,
+        )
 
     def _start_authenticator(self, context: zmq.Context[zmq.Socket[bytes]]) -> Any:
         from zmq.auth.thread import ThreadAuthenticator
@@ -174,7 +232,7 @@ class Controller:
             apply = handler(reader)
             reader.end()
             body = apply()
-            self._counters["rpcs" if header.type in _CLIENT_TYPES else "node_rpcs"] += 1
+            self._counters[_kind_of(header.type)] += 1
             self._counters[f"rpc_{MsgType(header.type).name.lower()}"] += 1
             return p.encode(header.type | REPLY_BIT, request_id, body, self.epoch, self._membership)
         except _Refusal as exc:
@@ -252,6 +310,18 @@ class Controller:
     def _unpublish(self, r: Reader) -> Callable[[], bytes]:
         keys = p.read_keys(r)
         return lambda: Writer().u32(self.index.unpublish(keys)).getvalue()
+
+    def _image_location(self, r: Reader) -> Callable[[], bytes]:
+        return lambda: p.write_image_location(self.image)
+
+    def _touch(self, r: Reader) -> Callable[[], bytes]:
+        keys = p.read_keys(r)
+
+        def apply() -> bytes:
+            self.index.touch(keys)
+            return b""
+
+        return apply
 
     def _report_invalid(self, r: Reader) -> Callable[[], bytes]:
         records = p.read_grants(r)
@@ -353,6 +423,8 @@ class Controller:
             "controller": {
                 "rpcs": 0,
                 "node_rpcs": 0,
+                "touch_rpcs": 0,
+                "image_endpoints": len(self.image.endpoints) if self.image else 0,
                 "bad_frames": 0,
                 "refused": 0,
                 "nodes_dropped": 0,
@@ -361,6 +433,11 @@ class Controller:
             },
             "index": self.index.stats(),
         }
+        if self.image is not None:
+            # The work the image's servers did (in ``serve``, the node's servers: all of it).
+            for name, server in self._image_servers.items():
+                for counter, value in server.stats().items():
+                    scopes["controller"][f"image_{name}_{counter}"] = value
         names = {n.id: n.name for n in self.index.nodes()}
         for node, counters in sorted(self._node_stats.items()):
             scopes[f"node {node} {names.get(node, '?')}"] = counters
@@ -369,3 +446,11 @@ class Controller:
             w.text(scope)
             w.raw(p.write_counters(counters).getvalue())
         return w.getvalue()
+
+
+def _kind_of(msg_type: int) -> str:
+    """Which counter a request adds to: clients' lookups and writes ("rpcs"), clients' use
+    reports sent off the lookup path ("touch_rpcs"), or data nodes' requests."""
+    if msg_type in _CLIENT_TYPES:
+        return "rpcs"
+    return "touch_rpcs" if msg_type == MsgType.TOUCH else "node_rpcs"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvfabric._control.client import ControlClient
+from kvfabric._control.client import ControlClient, ControllerRefusedError
 from kvfabric._wire import protocol as p
-from kvfabric._wire.protocol import MsgType
+from kvfabric._wire.protocol import ErrorCode, ImageLocation, MsgType
 from kvfabric.descriptor import Descriptor
 from kvfabric.spi.index import AllocateResult, AllocationRequest, GrantRef, Index, NodeInfo
 
@@ -72,6 +72,22 @@ class RemoteIndex(Index):
 
     def stats(self) -> dict[str, int]:
         return fetch_stats(self.client)["index"]
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self.client.call(MsgType.TOUCH, p.write_keys(keys)).end()
+
+    def image_location(self) -> ImageLocation | None:
+        """Where the controller serves its index's lookup image; None if it serves none
+        (or predates lookup images)."""
+        try:
+            r = self.client.call(MsgType.IMAGE)
+        except ControllerRefusedError as exc:
+            if exc.code == ErrorCode.UNKNOWN_TYPE:
+                return None
+            raise
+        location = p.read_image_location(r)
+        r.end()
+        return location
 
 
 def fetch_stats(client: ControlClient) -> dict[str, dict[str, int]]:

@@ -9,6 +9,7 @@ machine cannot give) are one ``kvfabric: error: ...`` line that says what to do.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import sys
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import attrs
 import zmq
 
 from kvfabric._control.client import ControlClient
@@ -33,7 +35,7 @@ from kvfabric.spi.backend import BackendConfig
 from kvfabric.spi.index import IndexConfig, IndexPlugin
 from kvfabric.spi.options import PluginOptions, group_plugin_options
 from kvfabric.spi.plugins import plugin_manager
-from kvfabric.spi.transport import TransportConfig
+from kvfabric.spi.transport import TransportConfig, TransportServer
 from kvfabric.spi.units import format_size, parse_duration, parse_size
 
 __all__ = ["HelpFormatter", "add_server_commands", "configure_logging"]
@@ -113,14 +115,75 @@ def _index_from(args: argparse.Namespace, settings: PluginOptions) -> IndexPlugi
 
 
 def _controller_from(
-    args: argparse.Namespace, credentials: Credentials | None, settings: PluginOptions
+    args: argparse.Namespace,
+    credentials: Credentials | None,
+    index: IndexPlugin,
+    image_servers: dict[str, TransportServer],
 ) -> Controller:
     return Controller(
         listen=control_endpoint(args.listen, "--listen"),
-        index=_index_from(args, settings),
+        index=index,
         node_timeout=_duration(args.node_timeout, "--node-timeout"),
         credentials=credentials,
+        image_servers=image_servers,
     )
+
+
+def _transport_names(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    return [] if names == ["none"] else names
+
+
+def _transport_config(args: argparse.Namespace, credentials: Credentials | None) -> TransportConfig:
+    return TransportConfig(
+        host=args.host,
+        advertise=args.advertise,
+        port=args.port,
+        timeout=_duration(args.timeout, "--timeout"),
+        token=credentials.data_token if credentials else b"",
+    )
+
+
+def _transport_failure(exc: TransportError, args: argparse.Namespace, what: str) -> Exception:
+    """A transport that could not listen, as one line that says what to do (or as it is)."""
+    cause = exc.__cause__
+    if isinstance(cause, OSError) and cause.errno is not None:
+        transport = str(exc).partition(":")[0]
+        return listen_error(
+            f"{what}'s {transport} transport",
+            f"{args.host}:{args.port}",
+            cause.errno,
+            cause.strerror or str(cause),
+            "--host and --port (0: any free port)",
+        )
+    return exc
+
+
+def _image_servers(
+    args: argparse.Namespace, credentials: Credentials | None, settings: PluginOptions
+) -> dict[str, TransportServer]:
+    """The controller's own transport servers for the lookup image (``--transport``)."""
+    plugins = plugin_manager()
+    classes = {name: plugins.transport(name) for name in _transport_names(args.transport)}
+    config = _transport_config(args, credentials)
+    servers: dict[str, TransportServer] = {}
+    try:
+        for name, cls in classes.items():
+            configured = attrs.evolve(config, options=settings.claim(cls))
+            servers[name] = cls.create_server(configured)
+    except TransportError as exc:
+        _close_servers(servers)
+        raise _transport_failure(exc, args, "the controller") from exc
+    except BaseException:
+        _close_servers(servers)
+        raise
+    return servers
+
+
+def _close_servers(servers: dict[str, TransportServer]) -> None:
+    for server in servers.values():
+        with contextlib.suppress(Exception):
+            server.close()
 
 
 def _node_from(
@@ -138,28 +201,15 @@ def _node_from(
             backend_config=BackendConfig(
                 capacity=capacity, region_size=region_size, path=args.path
             ),
-            transport_config=TransportConfig(
-                host=args.host,
-                advertise=args.advertise,
-                port=args.port,
-                timeout=_duration(args.timeout, "--timeout"),
-                token=credentials.data_token if credentials else b"",
-            ),
+            transport_config=_transport_config(args, credentials),
             name=args.name,
             plugin_options=settings,
         )
     except TransportError as exc:
-        cause = exc.__cause__
-        if isinstance(cause, OSError) and cause.errno is not None:
-            transport = str(exc).partition(":")[0]
-            raise listen_error(
-                f"the data node's {transport} transport",
-                f"{args.host}:{args.port}",
-                cause.errno,
-                cause.strerror or str(cause),
-                "--host and --port (0: any free port)",
-            ) from exc
-        raise
+        failure = _transport_failure(exc, args, "the data node")
+        if failure is exc:
+            raise
+        raise failure from exc
 
 
 def _describe(node: DataNode) -> str:
@@ -249,23 +299,47 @@ def _announce_waiting(agent: NodeAgent, endpoint: str, secured: bool) -> None:
             return
 
 
+def _image_words(controller: Controller) -> str:
+    """For the ready line: where the lookup image is served."""
+    image = controller.image
+    if image is None:
+        return "; no lookup image (lookups by RPC)"
+    parts = [
+        "shm" if e.transport == "shm" else f"{e.transport}@{e.address.decode(errors='replace')}"
+        for e in image.endpoints
+    ]
+    return f"; lookup image over {', '.join(parts) or 'nothing'}"
+
+
 def cmd_controller(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    controller = _controller_from(args, _credentials(args), settings)
-    settings.check_all_claimed("controller")
-    with _metrics(
-        args, lambda: _controller_stats(lambda: controller.endpoint, args), "the controller"
-    ) as metrics:
-        _stop_on_signals(controller.stop)
-        _serve_controller(
-            controller,
-            controller.listen,
-            lambda endpoint: print(
-                f"kvfabric controller listening on {endpoint} (index {args.index}){metrics}; "
-                f"clients connect with kvfabric://{_host_port(endpoint)}",
-                flush=True,
-            ),
-        )
+    credentials = _credentials(args)
+    index = _index_from(args, settings)
+    try:
+        servers = _image_servers(args, credentials, settings)
+        try:
+            controller = _controller_from(args, credentials, index, servers)
+            settings.check_all_claimed("controller")
+            with _metrics(
+                args,
+                lambda: _controller_stats(lambda: controller.endpoint, args),
+                "the controller",
+            ) as metrics:
+                _stop_on_signals(controller.stop)
+                _serve_controller(
+                    controller,
+                    controller.listen,
+                    lambda endpoint: print(
+                        f"kvfabric controller listening on {endpoint} (index {args.index})"
+                        f"{_image_words(controller)}{metrics}; clients connect with "
+                        f"kvfabric://{_host_port(endpoint)}",
+                        flush=True,
+                    ),
+                )
+        finally:
+            _close_servers(servers)
+    finally:
+        index.close()
     return 0
 
 
@@ -320,8 +394,14 @@ def cmd_node(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     credentials = _credentials(args)
     settings = _settings(args)
-    controller = _controller_from(args, credentials, settings)
-    node = _node_from(args, credentials, settings)
+    index = _index_from(args, settings)
+    try:
+        node = _node_from(args, credentials, settings)
+    except BaseException:
+        index.close()
+        raise
+    # The node's transport servers serve the lookup image too: one port per transport.
+    controller = _controller_from(args, credentials, index, node.servers)
     agents: list[NodeAgent] = []
     try:
         with _metrics(
@@ -355,7 +435,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     return
                 print(
                     f"kvfabric serving on {endpoint}: node {node.name}, {_describe(node)}"
-                    f"{metrics}; connect with kvfabric://{_host_port(endpoint)}",
+                    f"{_image_words(controller)}{metrics}; connect with "
+                    f"kvfabric://{_host_port(endpoint)}",
                     flush=True,
                 )
 
@@ -365,6 +446,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 for agent in agents:
                     agent.stop()
     finally:
+        index.close()
         node.close()
     return 0
 
@@ -417,6 +499,29 @@ def _add_controller_options(parser: argparse.ArgumentParser, default_listen: str
         default="3s",
         metavar="DURATION",
         help="drop a data node silent for this long, and its entries",
+    )
+
+
+def _add_image_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--transport",
+        default="tcp,shm",
+        help="comma-separated transports serving the index's lookup image, which clients "
+        "read one-sided instead of asking the controller (none: lookups by RPC only)",
+    )
+    parser.add_argument(
+        "--transport-opt",
+        action="append",
+        default=[],
+        metavar="NAME.OPTION=VALUE",
+        help="an option of a transport plugin, e.g. tcp.pool=4 (repeatable)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address image transports bind")
+    parser.add_argument(
+        "--advertise", default=None, help="host clients use to reach them (for 0.0.0.0)"
+    )
+    parser.add_argument(
+        "--port", type=_port, default=0, help="image transport port (0: any free one)"
     )
 
 
@@ -512,6 +617,7 @@ def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         formatter_class=HelpFormatter,
     )
     _add_controller_options(controller, "tcp://127.0.0.1:7100")
+    _add_image_options(controller)
     _add_metrics_options(controller)
     controller.add_argument(
         "--timeout",

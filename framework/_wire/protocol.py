@@ -24,6 +24,11 @@ registers with ``restoring`` set (``RESTORE`` batches, then ``RESTORE_DONE``), h
 the registration names the node's id and the incarnation its registration was given, so a
 stale request never acts on a newer registration of the same node. A client that found a
 published record invalid reports it (``REPORT_INVALID``) so the index unpublishes it.
+
+A client asks once where the index's lookup image is (``IMAGE``: the transports that serve
+it, and for a client on the controller's host the file to map) and answers lookups from it;
+the keys it hit there it reports in the background, batched (``TOUCH``), so eviction still
+sees their use.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from kvfabric.errors import ProtocolError
 from kvfabric.keys import KEY_SIZE
 from kvfabric.spi.codec import Reader, Writer
 from kvfabric.spi.index import (
+    MAX_ENDPOINTS,
     AllocateResult,
     Allocation,
     AllocationKind,
@@ -46,6 +52,7 @@ from kvfabric.spi.index import (
     GrantRef,
     NodeInfo,
 )
+from kvfabric.spi.transport import NodeEndpoint
 
 __all__ = [
     "HEADER",
@@ -56,16 +63,19 @@ __all__ = [
     "ErrorCode",
     "FrameError",
     "Header",
+    "ImageLocation",
     "MsgType",
     "decode_header",
     "encode",
     "read_deregister",
     "read_heartbeat",
+    "read_image_location",
     "read_node_ref",
     "read_restore",
     "write_deregister",
     "write_descriptor_bytes",
     "write_heartbeat",
+    "write_image_location",
     "write_node_ref",
     "write_restore",
 ]
@@ -93,6 +103,8 @@ class MsgType(enum.IntEnum):
     RESTORE = 13
     RESTORE_DONE = 14
     REPORT_INVALID = 15
+    IMAGE = 16
+    TOUCH = 17
     ERROR = 0x7FFF
 
 
@@ -330,3 +342,49 @@ def write_error(code: ErrorCode, message: str) -> bytes:
 
 def read_error(r: Reader) -> tuple[int, str]:
     return r.u32(), r.text()
+
+
+@attrs.frozen(kw_only=True)
+class ImageLocation:
+    """Where the index's lookup image is (:mod:`kvfabric.spi.image`), as ``IMAGE`` answers."""
+
+    image_id: int
+    size: int
+    endpoints: tuple[NodeEndpoint, ...]
+    """The image as a region on each transport that serves it (node ``IMAGE_NODE``)."""
+    host: bytes = b""
+    """The controller's host (its boot id), when a client there may map the image itself."""
+    path: str = ""
+    """The file to map read-only (``/proc/<pid>/fd/<n>`` of a memfd)."""
+    device: int = 0
+    inode: int = 0
+    """What the opened ``path`` must be: the very file, not one at a same-named path."""
+
+
+def write_image_location(location: ImageLocation | None) -> bytes:
+    w = Writer()
+    if location is None:
+        return w.u8(0).getvalue()
+    w.u8(1).u64(location.image_id).u64(location.size)
+    w.blob(location.host).text(location.path).u64(location.device).u64(location.inode)
+    w.u32(len(location.endpoints))
+    for endpoint in location.endpoints:
+        endpoint.write_to(w)
+    return w.getvalue()
+
+
+def read_image_location(r: Reader) -> ImageLocation | None:
+    if not r.u8():
+        return None
+    image_id, size = r.u64(), r.u64()
+    host, path, device, inode = r.blob(256), r.text(4096), r.u64(), r.u64()
+    endpoints = tuple(NodeEndpoint.read_from(r) for _ in range(r.count(12, MAX_ENDPOINTS)))
+    return ImageLocation(
+        image_id=image_id,
+        size=size,
+        endpoints=endpoints,
+        host=host,
+        path=path,
+        device=device,
+        inode=inode,
+    )

@@ -15,6 +15,7 @@ from urllib.parse import parse_qsl, urlsplit
 import attrs
 
 from kvfabric.errors import ConfigError
+from kvfabric.spi.options import parse_bool
 from kvfabric.spi.units import parse_duration, parse_size
 
 __all__ = [
@@ -65,6 +66,9 @@ class ClientOptions:
     max_value: int = 1 << 30
     transport: str | None = None
     """Force one transport by name instead of the best one each node offers."""
+    lookup_image: bool = True
+    """Answer lookups from the index's lookup image, where it publishes one, without asking
+    the controller (false: every lookup is a control RPC)."""
     plugin_options: Mapping[str, Mapping[str, str]] = attrs.field(factory=dict)
     """``NAME.OPTION=VALUE`` query parameters, by plugin name; each plugin parses its own."""
 
@@ -106,6 +110,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "prefetch_ttl": parse_duration,
     "max_value": parse_size,
     "transport": _name,
+    "lookup_image": parse_bool,
     "capacity": parse_size,
     "backend": _name,
     "path": str,

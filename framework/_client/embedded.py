@@ -8,6 +8,9 @@ distributed deployment. Clients connecting with the same NAME share one index an
 With the ``file`` backend (``embedded://?backend=file&path=DIR``) the node's memory outlives
 the process: a store opened again on the same directory, by this process or a new one,
 scans the files and finds every record that validates.
+
+Lookups probe the index's lookup image in place, as a client on a controller's host does
+(``?memory.image=0``: none, every lookup is a call into the index).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import threading
 
 import attrs
 
+from kvfabric._client.image_reader import ImageReader, MappedImage
 from kvfabric._client.record_io import RecordIO
 from kvfabric._client.store import Store
 from kvfabric._node.capacity import check_capacity
@@ -24,6 +28,7 @@ from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ConfigError
 from kvfabric.options import EmbeddedOptions
 from kvfabric.spi.backend import BackendConfig
+from kvfabric.spi.image import ImageGeometry
 from kvfabric.spi.index import IndexConfig, IndexPlugin
 from kvfabric.spi.options import PluginOptions
 from kvfabric.spi.plugins import PluginManager
@@ -85,6 +90,8 @@ def open_embedded(options: EmbeddedOptions, name: str, plugins: PluginManager) -
             plugins=plugins,
             on_close=[lambda: _release(name, services)],
             local_node=services.node,
+            local_index=services.index,
+            image=_image_of(services.index) if options.lookup_image else None,
         )
     except BaseException:
         _release(name, services)
@@ -138,6 +145,15 @@ def _start(
         node.close()
         raise
     return _Services(index=index, node=node, options=service_options)
+
+
+def _image_of(index: IndexPlugin) -> ImageReader | None:
+    """The index's own lookup image, probed in place (it lives in this process, so no
+    heartbeat check), or None if the index keeps none."""
+    region = index.lookup_image()
+    if region is None:
+        return None
+    return MappedImage(region.view, ImageGeometry.from_header(region.view).image_id)
 
 
 def _release(name: str, services: _Services) -> None:

@@ -3,18 +3,69 @@
 Per client, thread-safe, bounded by entry count and by age. It holds only leading runs of
 hits from recent lookups, and is a speed shortcut, never a source of truth: every read is
 validated, and a descriptor that fails validation is dropped and resolved again.
+
+A lookup hands over its run of hits as one *batch* — its keys and their descriptors, as
+objects or, from the lookup image, as wire bytes — and pays nothing per key: a lookup from
+the image costs a few microseconds, and filling a dict and building a ``Descriptor`` per key
+would cost more than the lookup. The per-key work happens when a read takes them: batches
+are indexed by key then (newest wins) and descriptors built from their wire form one at a
+time. A lookup that no read follows never pays for it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
 
-from kvfabric.descriptor import Descriptor
+from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
 
 __all__ = ["PrefetchCache"]
+
+
+class _Batch:
+    """One lookup's hits: ``keys[i]``'s descriptor is ``descriptors[i]`` or the i-th wire
+    form in ``wires``. Entries before ``start`` were pushed out by newer ones."""
+
+    __slots__ = ("absorbed", "descriptors", "expires", "keys", "positions", "start", "wires")
+
+    def __init__(
+        self,
+        keys: Sequence[bytes],
+        expires: float,
+        *,
+        descriptors: Sequence[Descriptor] = (),
+        wires: bytes = b"",
+    ) -> None:
+        self.keys = keys
+        self.expires = expires
+        self.descriptors = descriptors
+        self.wires = wires
+        self.start = 0
+        self.absorbed = False
+        self.positions: dict[bytes, int] | None = None
+
+    def live(self) -> int:
+        return len(self.keys) - self.start
+
+    def get(self, key: bytes) -> Descriptor | None:
+        if self.positions is None:
+            self.positions = dict(zip(self.keys, range(len(self.keys)), strict=True))
+        i = self.positions.get(key)
+        if i is None or i < self.start:
+            return None
+        if self.descriptors:
+            return self.descriptors[i]
+        return Descriptor.from_bytes(self.wires, i * DESCRIPTOR_SIZE)
+
+
+def _same_run(a: Sequence[bytes], b: Sequence[bytes]) -> bool:
+    """Whether two runs of keys are the same lookup, told in O(1): same length, same first
+    and last key (chained keys name their whole prefix; a rare false match only costs a
+    prefetch miss)."""
+    return len(a) == len(b) and a[0] == b[0] and a[-1] == b[-1]
 
 
 class PrefetchCache:
@@ -31,47 +82,104 @@ class PrefetchCache:
         self.ttl = ttl
         self._clock = clock
         self._lock = threading.Lock()
-        self._items: OrderedDict[bytes, tuple[float, Descriptor]] = OrderedDict()
+        self._batches: deque[_Batch] = deque()
+        """Every batch with live entries, oldest first."""
+        self._entries = 0
+        """Live entries over all batches (a key in two batches counts twice)."""
+        self._pending: list[_Batch] = []
+        """Batches not indexed yet, oldest first."""
+        self._index: dict[bytes, _Batch] = {}
+        """Key -> the newest indexed batch holding it."""
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._items)
+            self._absorb()
+            return len(self._index)
 
     def remember(self, descriptors: Sequence[Descriptor]) -> None:
         """Keep a lookup's leading run of hits; the oldest entries make room."""
         if self.max_entries == 0 or not descriptors:
             return
-        with self._lock:
-            expires = self._clock() + self.ttl
-            items = self._items
-            for d in descriptors[-self.max_entries :]:
-                items[d.key] = (expires, d)
-                items.move_to_end(d.key)
-            while len(items) > self.max_entries:
-                items.popitem(last=False)
+        expires = self._clock() + self.ttl
+        self._add(_Batch([d.key for d in descriptors], expires, descriptors=descriptors))
+
+    def remember_wires(self, keys: Sequence[bytes], wires: bytes) -> None:
+        """The same for descriptors given as wire forms, one per key in order."""
+        if self.max_entries == 0 or not keys:
+            return
+        self._add(_Batch(keys, self._clock() + self.ttl, wires=wires))
 
     def take(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
         """The cached descriptor of each key (``None`` if absent or expired)."""
         with self._lock:
+            self._absorb()
             now = self._clock()
-            items = self._items
+            index = self._index
             out: list[Descriptor | None] = []
             for key in keys:
-                hit = items.get(key)
-                if hit is None:
-                    out.append(None)
-                elif hit[0] <= now:
-                    del items[key]
-                    out.append(None)
-                else:
-                    out.append(hit[1])
+                batch = index.get(key)
+                found = None
+                if batch is not None:
+                    found = batch.get(key) if batch.expires > now else None
+                    if found is None:
+                        del index[key]
+                out.append(found)
             return out
 
     def drop(self, keys: Iterable[bytes]) -> None:
         with self._lock:
+            self._absorb()
             for key in keys:
-                self._items.pop(key, None)
+                self._index.pop(key, None)
 
     def clear(self) -> None:
         with self._lock:
-            self._items.clear()
+            self._batches.clear()
+            self._pending.clear()
+            self._index.clear()
+            self._entries = 0
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _add(self, batch: _Batch) -> None:
+        with self._lock:
+            excess = len(batch.keys) - self.max_entries
+            if excess > 0:
+                batch.start = excess
+            last = self._batches[-1] if self._batches else None
+            if last is not None and not last.absorbed and _same_run(last.keys, batch.keys):
+                # The same lookup again before any read (an engine polling a waiting
+                # request): the newer batch replaces it, so the cache does not fill with
+                # copies of one run (and the copy's memory is reused while warm).
+                self._batches.pop()
+                self._pending.pop()
+                self._entries -= last.live()
+            self._batches.append(batch)
+            self._pending.append(batch)
+            self._entries += batch.live()
+            self._trim()
+
+    def _absorb(self) -> None:
+        """Index the batches remembered since the last read (newer ones win)."""
+        index = self._index
+        for batch in self._pending:
+            if batch.live() > 0:
+                keys = batch.keys if batch.start == 0 else batch.keys[batch.start :]
+                index.update(zip(keys, repeat(batch)))
+                batch.absorbed = True
+        self._pending.clear()
+
+    def _trim(self) -> None:
+        """Push the oldest entries out until the bound holds."""
+        while self._entries > self.max_entries:
+            oldest = self._batches[0]
+            gone = min(oldest.live(), self._entries - self.max_entries)
+            if oldest.absorbed:
+                index = self._index
+                for key in oldest.keys[oldest.start : oldest.start + gone]:
+                    if index.get(key) is oldest:
+                        del index[key]
+            oldest.start += gone
+            self._entries -= gone
+            if oldest.live() == 0:
+                self._batches.popleft()

@@ -4,6 +4,10 @@ Metadata goes to the controller (one round trip per batched call); bytes go stra
 data nodes, each over the most preferred transport both sides have that can reach it (each
 transport declares its ``preference``: ``shm`` on the same host, else ``tcp``, then ``ucx``).
 ``?transport=NAME`` forces one.
+
+Lookups read the controller's lookup image where it serves one: mapped on its host (unless
+a transport other than ``shm`` is forced), else through the same transport clients as the
+data nodes, the image being one more peer.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import logging
 
 import attrs
 
+from kvfabric._client.image_reader import ImageReader, open_image
 from kvfabric._client.record_io import RecordIO
 from kvfabric._client.store import Store
 from kvfabric._control.client import ControlClient
@@ -43,13 +48,23 @@ def open_remote(options: RemoteOptions, host: str, port: int, plugins: PluginMan
         retry_interval=options.retry_interval,
         credentials=credentials,
     )
+    index = RemoteIndex(control)
+    map_locally = options.transport in (None, "shm")
+
+    def locate_image() -> tuple[ImageReader | None]:
+        location = index.image_location()
+        if location is None:
+            return (None,)
+        return (open_image(location, clients, map_locally=map_locally),)
+
     try:
         store = Store(
-            index=RemoteIndex(control),
+            index=index,
             records=RecordIO(clients, list(clients)),
             options=options,
             plugins=plugins,
             on_close=[control.close],
+            locate_image=locate_image if options.lookup_image else None,
         )
     except BaseException:
         control.close()

@@ -9,6 +9,15 @@ resolve only what is missing (one call for all of them), and hand them to the re
 layer. Writes cost one ``allocate`` call and one ``publish`` call per batch, and a key that
 is already stored moves no bytes.
 
+Where the index publishes a lookup image (:mod:`kvfabric.spi.image`), lookups read it
+instead of asking: probed in place on the controller's host, one data-plane round trip
+elsewhere (:mod:`~kvfabric._client.image_reader`). Only keys the image cannot answer for —
+a torn bucket, a key that found no room in it, an image that cannot be read — go to the
+index, in one call. Those lookups are counted apart from control RPCs (``onesided_lookups``,
+``image_fallbacks``, ``image_round_trips``), and their hits are reported to the index in
+the background (:mod:`~kvfabric._client.touches`) so its eviction still sees them. Stale
+hits are harmless: the read validates every record, and re-resolves by RPC.
+
 The read contract: ``batched_contains``, ``batched_exists``, ``batched_get``,
 ``batched_get_scattered`` and ``locate`` never raise because a controller, a data node or a
 transport failed (unreachable, an error reply, a malformed reply, a timeout): they count the
@@ -28,8 +37,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from kvfabric._client.image_reader import ImageReader, ImageSlot
 from kvfabric._client.prefetch import PrefetchCache
 from kvfabric._client.record_io import RecordIO, value_pieces
+from kvfabric._client.touches import TouchReporter
 from kvfabric._node.node import DataNode
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import (
@@ -41,8 +52,9 @@ from kvfabric.errors import (
 )
 from kvfabric.keys import KEY_SIZE
 from kvfabric.options import ClientOptions
-from kvfabric.spi.counters import Counters
-from kvfabric.spi.index import AllocationKind, AllocationRequest, GrantRef, Index
+from kvfabric.spi.counters import CLIENT_COUNTERS, Counters
+from kvfabric.spi.image import ImageStop
+from kvfabric.spi.index import AllocationKind, AllocationRequest, GrantRef, Index, IndexPlugin
 from kvfabric.spi.plugins import PluginManager
 
 __all__ = ["PutOutcome", "Store"]
@@ -67,6 +79,17 @@ _LEASE_SHARE = 0.5
 # After a transport failure, nodes are relearned at most this often.
 _RELEARN_INTERVAL = 1.0
 
+# Lookups answered from the lookup image, counted apart from control RPCs.
+_IMAGE_COUNTERS = (
+    "onesided_lookups",
+    "image_fallbacks",
+    "image_round_trips",
+    "image_unavailable",
+    "touch_rpcs",
+    "touch_failures",
+    "touches_dropped",
+)
+
 _OUTCOME_OF = {
     AllocationKind.EXISTS: PutOutcome.DEDUPLICATED,
     AllocationKind.IN_FLIGHT: PutOutcome.IN_FLIGHT,
@@ -86,9 +109,18 @@ class Store:
         plugins: PluginManager,
         on_close: Sequence[Callable[[], None]] = (),
         local_node: DataNode | None = None,
+        local_index: IndexPlugin | None = None,
+        image: ImageReader | None = None,
+        locate_image: Callable[[], tuple[ImageReader | None]] | None = None,
     ) -> None:
-        """``local_node``: the data node running in this process (embedded mode), if any."""
+        """``local_node``, ``local_index``: the data node and the index running in this
+        process (embedded mode), if any.
+        ``image``: a reader of the index's lookup image; ``locate_image``: asks the
+        controller where its image is (one control RPC; a 1-tuple of a reader or None),
+        whenever this client learns the nodes and has no image from this controller yet.
+        """
         self.local_node = local_node
+        self.local_index = local_index
         self._index = index
         self._records = records
         self._options = options
@@ -97,7 +129,12 @@ class Store:
         self._prefetch = PrefetchCache(
             max_entries=options.prefetch_entries, ttl=options.prefetch_ttl
         )
-        self._counters = Counters()
+        self._counters = Counters((*CLIENT_COUNTERS, *_IMAGE_COUNTERS))
+        self._image = ImageSlot(image)
+        self._locate_image = locate_image
+        self._image_unlocated = locate_image is not None
+        self._relocate_due = False
+        self._touches = TouchReporter(index.touch, self._counters)
         self._observer_pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -119,7 +156,14 @@ class Store:
     # -- lookups -----------------------------------------------------------------------
 
     def batched_contains(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` are stored; their descriptors are kept for the read."""
+        """How many leading ``keys`` are stored; their descriptors are kept for the read.
+
+        Answered from the lookup image when this client reads one (``onesided_lookups``);
+        from the index, in one call, for the keys the image cannot answer for.
+        """
+        image = self._image_reader()
+        if image is not None and keys:
+            return self._contains_from_image(image, keys)
         _check_keys(keys)
         if not keys:
             return 0
@@ -132,13 +176,80 @@ class Store:
         return len(found)
 
     def batched_exists(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key is stored (for engines that probe non-contiguous keys)."""
+        """Whether each key is stored (for engines that probe non-contiguous keys).
+
+        From the lookup image where this client reads one; the keys it cannot answer for
+        go to the index in one call.
+        """
+        image = self._image_reader()
+        if image is not None and keys:
+            return self._exists_from_image(image, keys)
         _check_keys(keys)
         if not keys:
             return []
         self._counters.add("exists_calls")
         flags = self._ask(self._index.exists, keys)
         return [False] * len(keys) if flags is None else flags
+
+    def _contains_from_image(self, image: ImageReader, keys: Sequence[bytes]) -> int:
+        try:
+            hits, stop, wires = image.prefix(keys)
+        except TypeError:
+            _check_keys(keys)  # raises the error that says what a key must be
+            raise
+        if hits:
+            used = keys[:hits]
+            self._prefetch.remember_wires(used, wires)
+            self._touches.add(used)
+        if stop == ImageStop.HIT or stop == ImageStop.MISS:
+            self._counters.update(
+                lookups=1,
+                prefix_hits=hits,
+                onesided_lookups=1,
+                image_round_trips=image.round_trips,
+            )
+            self._observe(keys, hits)
+            return hits
+        # From keys[hits] on the image cannot tell (a torn bucket, a key that found no room
+        # in it, an image it cannot read now): the index answers for the rest.
+        found = self._ask(self._index.lookup_prefix, keys[hits:]) or []
+        self._prefetch.remember(found)
+        total = hits + len(found)
+        self._counters.update(
+            lookups=1,
+            prefix_hits=total,
+            image_fallbacks=1,
+            image_unavailable=int(stop == ImageStop.UNUSABLE),
+            image_round_trips=image.round_trips,
+        )
+        self._observe(keys, total)
+        return total
+
+    def _exists_from_image(self, image: ImageReader, keys: Sequence[bytes]) -> list[bool]:
+        try:
+            states = image.exists(keys)
+        except TypeError:
+            _check_keys(keys)
+            raise
+        self._counters.update(exists_calls=1, image_round_trips=image.round_trips)
+        found = [state == ImageStop.HIT for state in states]
+        if ImageStop.UNKNOWN not in states:
+            self._counters.add("onesided_lookups")
+            return found
+        unknown = [i for i, state in enumerate(states) if state == ImageStop.UNKNOWN]
+        self._counters.add("image_fallbacks")
+        flags = self._ask(self._index.exists, [keys[i] for i in unknown])
+        if flags is not None:
+            for i, flag in zip(unknown, flags, strict=True):
+                found[i] = flag
+        return found
+
+    def _image_reader(self) -> ImageReader | None:
+        if self._relocate_due:
+            # A restarted controller serves another image (if any): learn where, once.
+            self._relocate_due = False
+            self._refresh_membership()
+        return self._image.reader
 
     def locate(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
         """Where each key's record lives, asked of the index now (one control round trip).
@@ -326,7 +437,13 @@ class Store:
         return self._refresh_membership()
 
     def stats(self) -> dict[str, int]:
-        """This client's counters (no round trip)."""
+        """This client's counters (no round trip).
+
+        Lookups answered from the lookup image are ``onesided_lookups`` (no control RPC;
+        ``image_round_trips`` data-plane reads of it), those it could not fully answer
+        ``image_fallbacks`` (one control RPC each, in ``control_rpcs``); ``touch_rpcs``
+        counts the background use reports, which are not in ``control_rpcs``.
+        """
         return self._counters.snapshot()
 
     def controller_restarted(self, epoch: int) -> None:
@@ -334,6 +451,11 @@ class Store:
         log.warning("kvfabric controller restarted (epoch %x): relearning nodes", epoch)
         self._prefetch.clear()
         self._membership_stale = True
+        if self._locate_image is not None:
+            # Its image, if any, is another one: stop reading the old one now.
+            self._image.replace(None)
+            self._image_unlocated = True
+            self._relocate_due = True
 
     def membership_changed(self, generation: int) -> None:
         """A data node joined, left, restarted or was replaced: relearn before the next I/O."""
@@ -348,6 +470,8 @@ class Store:
             pool, self._observer_pool = self._observer_pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        self._touches.close()
+        self._image.replace(None)
         self._records.close()
         for close in reversed(self._on_close):
             close()
@@ -384,7 +508,20 @@ class Store:
             self._membership_stale = True
             return False
         self._records.set_nodes(nodes)
+        if self._image_unlocated:
+            self._relocate_image()
         return True
+
+    def _relocate_image(self) -> None:
+        """Ask the controller where its lookup image is and open it (or learn it has none)."""
+        assert self._locate_image is not None
+        # The old reader goes first: both may use the same transport client's pseudo-node.
+        self._image.replace(None)
+        located = self._ask(self._locate_image)
+        if located is None:
+            return  # no answer: asked again the next time the nodes are learned
+        self._image_unlocated = False
+        self._image.replace(located[0])
 
     def _report_invalid(self, descriptors: Sequence[Descriptor]) -> None:
         """Tell the index which published records failed validation (one call, rare)."""

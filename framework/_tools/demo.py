@@ -218,7 +218,8 @@ def _print_report(
         (
             "control RPCs per lookup+get",
             f"{report.lookup_get_rpcs / report.requests:.2f}",
-            "one round trip answers both the lookup and the load",
+            "the lookup reads the index's lookup image (no RPC; one where the index keeps "
+            "none) and the load uses the descriptors it found",
         ),
         (
             "validation failures",

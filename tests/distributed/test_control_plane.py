@@ -57,7 +57,8 @@ def _rpcs(cluster: Cluster) -> int:
 def test_contains_and_get_of_prefetched_keys_is_one_rpc_at_the_controller(
     cluster: Cluster, n: int
 ) -> None:
-    with kvfabric.connect(cluster.url()) as store:
+    # Lookups by RPC (one-sided ones cost the controller none: test_onesided_lookup.py).
+    with kvfabric.connect(cluster.url(lookup_image="0")) as store:
         keys = _keys(n)
         values = [os.urandom(200) for _ in keys]
         store.batched_put(keys, values)
@@ -196,7 +197,8 @@ def test_random_bytes_on_a_data_port_leave_it_serving(cluster: Cluster) -> None:
 
 
 def test_stats_command_prints_index_and_node_counters(cluster: Cluster) -> None:
-    with kvfabric.connect(cluster.url()) as store:
+    # A lookup the index sees (a one-sided one does not count in its hit rate).
+    with kvfabric.connect(cluster.url(lookup_image="0")) as store:
         keys = _keys(5)
         store.batched_put(keys, [b"x" * 1000] * 5)
         store.batched_contains(keys)

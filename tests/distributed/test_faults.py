@@ -117,7 +117,9 @@ def test_a_stalled_node_turns_reads_into_misses_within_the_timeout(two_nodes: Cl
 
 def test_controller_restart_gives_misses_meanwhile_then_the_same_client_hits_again() -> None:
     with Cluster(nodes=1, transports=("tcp", "shm")) as cluster:
-        url = cluster.url(control_timeout="300ms", retry_interval="200ms")
+        # Lookups by RPC: with the lookup image they answer from it for a moment after the
+        # crash (test_onesided_lookup.py covers that).
+        url = cluster.url(control_timeout="300ms", retry_interval="200ms", lookup_image="0")
         with kvfabric.connect(url) as store:
             keys = _keys(10)
             values = [os.urandom(2048) for _ in keys]

@@ -1,0 +1,439 @@
+"""The lookup image: what the memory index writes, what a probe may conclude, and the store
+answering lookups from it (embedded: the index's own image, probed in place).
+
+A probe answers *hit*, *miss* or *unknown*; these tests pin that a torn, spilled, foreign or
+abandoned image is never a hit and never a miss, and that the store asks the index exactly
+when the image cannot answer.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+import kvfabric
+from kvfabric import PutOutcome, Store
+from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
+from kvfabric.indexes.memory import MemoryIndex
+from kvfabric.keys import chain_keys
+from kvfabric.spi import (
+    AllocationRequest,
+    GrantRef,
+    ImageGeometry,
+    ImageStop,
+    NodeInfo,
+    Region,
+    RegionInfo,
+    image_beat,
+)
+from kvfabric.spi.image import (
+    IMAGE_BUCKET_SIZE,
+    IMAGE_HEADER_SIZE,
+    image_exists,
+    image_prefix,
+    image_windows,
+)
+
+HIT, MISS, UNKNOWN, UNUSABLE = (
+    ImageStop.HIT,
+    ImageStop.MISS,
+    ImageStop.UNKNOWN,
+    ImageStop.UNUSABLE,
+)
+
+
+def _index(image_size: int = 1 << 20, grace: float = 0.0) -> MemoryIndex:
+    index = MemoryIndex(grace=grace, image_size=image_size)
+    index.register_node(
+        NodeInfo(name="n", regions=(RegionInfo(id=0, size=1 << 30, rkey=5),), endpoints=())
+    )
+    return index
+
+
+def _publish(index: MemoryIndex, keys: list[bytes], length: int = 100) -> list[Descriptor]:
+    result = index.allocate([AllocationRequest(key=k, length=length) for k in keys])
+    grants = [a.descriptor for a in result.allocations]
+    assert all(g is not None for g in grants)
+    assert all(index.publish([GrantRef.of(g, crc=7) for g in grants if g is not None]))
+    return index.resolve(keys)  # type: ignore[return-value]
+
+
+def _image(index: MemoryIndex) -> tuple[Region, ImageGeometry]:
+    region = index.lookup_image()
+    assert region is not None
+    return region, ImageGeometry.from_header(region.view)
+
+
+def _keys(n: int) -> list[bytes]:
+    return [os.urandom(32) for _ in range(n)]
+
+
+def _bucket_of(region: Region, geometry: ImageGeometry, key: bytes) -> int:
+    """The image offset of the bucket holding ``key`` (its tag, in its window)."""
+    home = geometry.home(key)
+    for bucket in range(home, home + geometry.window):
+        at = IMAGE_HEADER_SIZE + bucket * IMAGE_BUCKET_SIZE
+        if bytes(region.view[at + 8 : at + 16]) == key[8:16]:
+            return at
+    raise AssertionError("key not in the image")
+
+
+def _same_home_keys(geometry: ImageGeometry, home: int, n: int) -> list[bytes]:
+    """Keys whose home bucket is ``home`` (its low bits in key[0:8])."""
+    return [
+        (home | (os.getrandom(4)[0] << geometry.log2_buckets)).to_bytes(8, "little")
+        + os.urandom(24)
+        for _ in range(n)
+    ]
+
+
+# -- what the index writes ------------------------------------------------------------------
+
+
+def test_published_entries_are_hits_with_their_descriptors_and_others_are_misses() -> None:
+    index = _index()
+    keys = _keys(300)
+    published = _publish(index, keys[:200])
+    region, geometry = _image(index)
+    hits, stop, wires = image_prefix(region.view, keys, geometry.image_id)
+    assert (hits, stop) == (200, MISS)
+    assert Descriptor.many_from_bytes(wires) == published
+    assert image_exists(region.view, keys[195:205], geometry.image_id) == (
+        True,
+        bytes([HIT] * 5 + [MISS] * 5),
+    )
+    assert index.stats()["image_entries"] == 200
+
+
+def test_the_image_is_built_from_what_is_published_when_first_asked_for() -> None:
+    index = _index()
+    keys = _keys(10)
+    published = _publish(index, keys)
+    pending = _keys(1)
+    index.allocate([AllocationRequest(key=pending[0], length=10)])  # granted, not published
+    region, geometry = _image(index)
+    assert index.lookup_image() is region  # one image per index
+    hits, stop, wires = image_prefix(region.view, keys + pending, geometry.image_id)
+    assert (hits, stop) == (10, MISS)
+    assert Descriptor.many_from_bytes(wires) == published
+
+
+def test_unpublish_eviction_abort_and_a_departed_node_take_keys_out() -> None:
+    index = _index()
+    region, geometry = _image(index)
+    keys = _keys(40)
+    _publish(index, keys)
+    assert index.unpublish(keys[:10]) == 10
+    assert index.drop_invalid(
+        [GrantRef(key=keys[10], version=index.resolve([keys[10]])[0].version)]
+    )  # type: ignore[union-attr]
+    states = image_exists(region.view, keys, geometry.image_id)[1]
+    assert states == bytes([MISS] * 11 + [HIT] * 29)
+    registered = index.nodes()[0]
+    index.remove_node(registered.id)
+    assert image_exists(region.view, keys, geometry.image_id)[1] == bytes([MISS] * 40)
+    assert index.stats()["image_entries"] == 0
+
+
+def test_an_image_size_of_zero_keeps_no_image() -> None:
+    assert MemoryIndex(image_size=0).lookup_image() is None
+
+
+# -- what a probe may conclude ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["flipped field", "odd sequence", "stale check"])
+def test_a_torn_bucket_is_never_a_hit_nor_a_miss(damage: str) -> None:
+    index = _index()
+    keys = _keys(8)
+    _publish(index, keys)
+    region, geometry = _image(index)
+    at = _bucket_of(region, geometry, keys[3])
+    view = region.view
+    if damage == "flipped field":
+        view[at + 24] ^= 0x01  # the record's offset
+    elif damage == "odd sequence":
+        struct.pack_into("<I", view, at, struct.unpack_from("<I", view, at)[0] + 1)
+    else:
+        view[at + 60] ^= 0xFF
+    hits, stop, _ = image_prefix(view, keys, geometry.image_id)
+    assert (hits, stop) == (3, UNKNOWN)
+    assert image_exists(view, keys[3:4], geometry.image_id)[1] == bytes([UNKNOWN])
+    # A torn bucket in another key's window hides nothing: that key is still a hit.
+    assert image_exists(view, keys[4:5], geometry.image_id)[1] == bytes([HIT])
+
+
+def test_a_landed_copy_answers_like_the_live_image_and_a_torn_copy_is_unknown() -> None:
+    index = _index()
+    keys = _keys(64)
+    _publish(index, keys[:50])
+    region, geometry = _image(index)
+    ranges, positions = image_windows(keys, geometry)
+    plan = list(struct.iter_unpack("<QQ", ranges))
+    assert plan[0] == (0, IMAGE_HEADER_SIZE)
+    assert len(plan) <= 1 + len(keys)
+    landing = b"".join(bytes(region.view[o : o + n]) for o, n in plan)
+    copy = bytearray(landing)
+    live = image_prefix(region.view, keys, geometry.image_id)
+    assert image_prefix(copy, keys, geometry.image_id, positions) == live
+    where = struct.unpack_from("<Q", positions, 8 * 7)[0]
+    for bucket in range(geometry.window):  # tear every bucket of key 7's window
+        copy[where + bucket * IMAGE_BUCKET_SIZE + 30] ^= 0x40
+    assert image_prefix(copy, keys, geometry.image_id, positions)[:2] == (7, UNKNOWN)
+
+
+def test_a_key_with_no_room_in_its_window_is_unknown_until_it_leaves() -> None:
+    index = _index(image_size=64 << 10)
+    region, geometry = _image(index)
+    crowd = _same_home_keys(geometry, home=100, n=geometry.window + 1)
+    _publish(index, crowd)
+    assert index.stats()["image_spilled"] == 1
+    stranger = _same_home_keys(geometry, home=100, n=1)
+    states = image_exists(region.view, crowd + stranger, geometry.image_id)[1]
+    # Every key of this home that is in the image is a hit; the spilled one and a key that
+    # was never stored cannot be told apart from the image: both unknown, never a miss.
+    assert states[: geometry.window] == bytes([HIT] * geometry.window)
+    assert states[geometry.window :] == bytes([UNKNOWN, UNKNOWN])
+    index.unpublish([crowd[-1]])  # the spilled key leaves: the home has no stranger outside
+    assert image_exists(region.view, stranger, geometry.image_id)[1] == bytes([MISS])
+    index.unpublish(crowd[:1])  # a free bucket, and keys do not move into it
+    assert index.stats()["image_spilled"] == 0
+    assert image_exists(region.view, crowd[1:-1], geometry.image_id)[1] == bytes(
+        [HIT] * (geometry.window - 1)
+    )
+
+
+def test_another_image_a_bad_header_or_a_stopped_owner_is_unusable() -> None:
+    index = _index()
+    keys = _keys(4)
+    _publish(index, keys)
+    region, geometry = _image(index)
+    assert image_prefix(region.view, keys, geometry.image_id + 1)[:2] == (0, UNUSABLE)
+    assert image_exists(region.view, keys, geometry.image_id + 1) == (False, bytes([UNKNOWN] * 4))
+    # Fresh heartbeat: trusted; a stopped owner (closed, or silent past max_age): not.
+    index.tick()
+    assert image_prefix(region.view, keys, geometry.image_id, None, 2.0)[:2] == (4, HIT)
+    image_beat(region.view, False)
+    assert image_prefix(region.view, keys, geometry.image_id, None, 2.0)[:2] == (0, UNUSABLE)
+    index.tick()
+    assert image_prefix(region.view, keys, geometry.image_id, None, 2.0)[:2] == (4, HIT)
+    header = bytearray(region.view[:IMAGE_HEADER_SIZE])
+    header[12] ^= 1  # the bucket count: the header check fails
+    copy = bytes(header) + bytes(region.view[IMAGE_HEADER_SIZE:])
+    assert image_prefix(copy, keys, geometry.image_id)[:2] == (0, UNUSABLE)
+
+
+def test_keys_that_are_not_32_bytes_are_refused_by_the_probe() -> None:
+    index = _index()
+    region, geometry = _image(index)
+    with pytest.raises(TypeError, match="key 1"):
+        image_prefix(region.view, [os.urandom(32), b"short"], geometry.image_id)
+
+
+# -- the store, embedded ------------------------------------------------------------------------
+
+
+def _chain(n: int) -> list[bytes]:
+    return chain_keys(list(range(n)), 1, namespace=uuid.uuid4().bytes)
+
+
+def _value(key: bytes, size: int = 512) -> bytes:
+    return np.random.default_rng(int.from_bytes(key[:8], "little")).bytes(size)
+
+
+@pytest.mark.parametrize("n", [1, 64, 1024])
+def test_an_embedded_lookup_reads_the_image_and_costs_no_index_call(n: int) -> None:
+    with kvfabric.connect("embedded://?capacity=64MiB") as store:
+        keys = _chain(n + 1)
+        store.batched_put(keys[:n], [_value(k) for k in keys[:n]])
+        before = store.stats()
+        assert store.batched_contains(keys) == n
+        assert [bytes(v) for v in store.batched_get(keys[:n]) if v is not None] == [
+            _value(k) for k in keys[:n]
+        ]
+        after = store.stats()
+    assert after["control_rpcs"] == before["control_rpcs"]
+    assert after["onesided_lookups"] - before["onesided_lookups"] == 1
+    assert after["prefetch_hits"] - before["prefetch_hits"] == n
+    assert after["image_fallbacks"] == after["image_round_trips"] == 0
+
+
+def test_a_torn_bucket_makes_the_store_ask_the_index_once_for_the_rest() -> None:
+    with kvfabric.connect("embedded://?capacity=64MiB") as store:
+        keys = _chain(16)
+        store.batched_put(keys, [_value(k) for k in keys])
+        region, geometry = _image(store.local_index)
+        at = _bucket_of(region, geometry, keys[5])
+        region.view[at + 40] ^= 0x10  # the rkey
+        index_before = store.local_index.stats()
+        before = store.stats()
+        assert store.batched_contains(keys) == 16
+        after = store.stats()
+        assert after["control_rpcs"] - before["control_rpcs"] == 1
+        assert after["image_fallbacks"] - before["image_fallbacks"] == 1
+        assert after["onesided_lookups"] == before["onesided_lookups"]
+        index_after = store.local_index.stats()
+        # The index was asked for the keys from the torn one on, not for the first five.
+        assert index_after["lookup_keys"] - index_before["lookup_keys"] == 11
+        assert [bytes(v) for v in store.batched_get(keys) if v is not None] == [
+            _value(k) for k in keys
+        ]
+        region.view[at + 40] ^= 0x10
+        assert store.batched_contains(keys) == 16
+        assert store.stats()["control_rpcs"] == after["control_rpcs"]
+
+
+def test_exists_asks_the_index_only_for_keys_the_image_cannot_answer() -> None:
+    with kvfabric.connect("embedded://?capacity=64MiB") as store:
+        keys = _chain(8)
+        store.batched_put(keys[::2], [_value(k) for k in keys[::2]])
+        before = store.stats()
+        assert store.batched_exists(keys) == [True, False] * 4
+        assert store.stats()["control_rpcs"] == before["control_rpcs"]
+        region, geometry = _image(store.local_index)
+        at = _bucket_of(region, geometry, keys[2])
+        region.view[at + 59] ^= 0x01
+        index_before = store.local_index.stats()["exists_calls"]
+        assert store.batched_exists(keys) == [True, False] * 4
+        assert store.stats()["control_rpcs"] - before["control_rpcs"] == 1
+        assert store.local_index.stats()["exists_calls"] - index_before == 1
+
+
+def test_an_index_without_an_image_is_asked_as_before() -> None:
+    with kvfabric.connect("embedded://?capacity=64MiB&memory.image=0") as store:
+        keys = _chain(4)
+        store.batched_put(keys, [_value(k) for k in keys])
+        before = store.stats()
+        assert store.batched_contains(keys) == 4
+        assert store.stats()["control_rpcs"] - before["control_rpcs"] == 1
+        assert store.stats()["onesided_lookups"] == 0
+
+
+def test_keys_hit_in_the_image_reach_the_index_in_one_background_report() -> None:
+    with kvfabric.connect("embedded://?capacity=64MiB") as store:
+        keys = _chain(32)
+        store.batched_put(keys, [_value(k) for k in keys])
+        index = store.local_index
+        before = index.stats()
+        rpcs = store.stats()["control_rpcs"]
+        for _ in range(5):
+            assert store.batched_contains(keys) == 32
+        deadline = time.monotonic() + 10
+        while store.stats()["touch_rpcs"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after = index.stats()
+        assert store.stats()["touch_rpcs"] == 1
+        assert store.stats()["control_rpcs"] == rpcs  # reports are not lookups' RPCs
+        assert after["touches"] - before["touches"] == 1
+        assert after["touched_keys"] - before["touched_keys"] == 32  # deduplicated
+        assert after["lookups"] == before["lookups"]
+
+
+def test_bad_keys_are_refused_with_the_stores_error() -> None:
+    with kvfabric.connect("embedded://?capacity=8MiB") as store:
+        with pytest.raises(kvfabric.InvalidKeyError):
+            store.batched_contains([os.urandom(32), b"short"])
+        with pytest.raises(kvfabric.InvalidKeyError):
+            store.batched_exists(["not bytes" * 4])  # type: ignore[list-item]
+
+
+# -- racing writers ------------------------------------------------------------------------------
+
+
+def test_lookups_racing_with_puts_deletes_and_evictions_never_read_another_keys_value() -> None:
+    """Writers put, delete and (a store a few times too small) evict while readers look up
+    and read: every value read is its own key's, and lookups mostly answer from the image."""
+    url = f"embedded://race-{uuid.uuid4().hex[:8]}?capacity=4MiB&grace=0"
+    keys = _chain(2048)
+    values = {k: _value(k, 4096) for k in keys}
+    stop = threading.Event()
+    wrong: list[bytes] = []
+    errors: list[BaseException] = []
+    stores: list[Store] = []
+
+    def writer(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        with kvfabric.connect(url) as store:
+            while not stop.is_set():
+                start = int(rng.integers(0, len(keys) - 64))
+                batch = keys[start : start + int(rng.integers(1, 64))]
+                outcomes = store.batched_put(batch, [values[k] for k in batch])
+                assert PutOutcome.FAILED not in outcomes
+                if rng.random() < 0.3:
+                    store.delete(batch[: len(batch) // 2])
+
+    def reader(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        store = kvfabric.connect(url)
+        stores.append(store)
+        while not stop.is_set():
+            start = int(rng.integers(0, len(keys) - 64))
+            batch = keys[start : start + 64]
+            hits = store.batched_contains(batch)
+            for key, value in zip(batch[:hits], store.batched_get(batch[:hits]), strict=True):
+                if value is not None and bytes(value) != values[key]:
+                    wrong.append(key)
+
+    def guarded(target: object, seed: int) -> None:
+        try:
+            target(seed)  # type: ignore[operator]
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+            stop.set()
+
+    with kvfabric.connect(url):  # keeps the shared store open for the threads
+        threads = [threading.Thread(target=guarded, args=(writer, s)) for s in range(2)]
+        threads += [threading.Thread(target=guarded, args=(reader, 10 + s)) for s in range(2)]
+        for thread in threads:
+            thread.start()
+        time.sleep(4.0)
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        counts = [store.stats() for store in stores]
+        for store in stores:
+            store.close()
+    assert not errors, errors
+    assert wrong == []
+    lookups = sum(c["lookups"] for c in counts)
+    onesided = sum(c["onesided_lookups"] for c in counts)
+    print(
+        f"{lookups} lookups, {onesided} one-sided, {sum(c['image_fallbacks'] for c in counts)} "
+        f"fell back; {sum(c['get_hits'] for c in counts)} values read, "
+        f"{sum(c['validation_failures'] for c in counts)} stale descriptors caught"
+    )
+    assert onesided > 0
+
+
+# -- the prefetch cache keeps a lookup's wire forms ---------------------------------------------
+
+
+def test_descriptors_from_wire_forms_are_built_when_taken() -> None:
+    from kvfabric._client.prefetch import PrefetchCache
+
+    cache = PrefetchCache(max_entries=8, ttl=5)
+    descriptors = [
+        Descriptor(
+            key=os.urandom(32), node=1, region=0, offset=i * 64, length=1, rkey=3, version=i, crc=0
+        )
+        for i in range(6)
+    ]
+    wires = b"".join(d.to_bytes() for d in descriptors)
+    assert len(wires) == 6 * DESCRIPTOR_SIZE
+    keys = [d.key for d in descriptors]
+    cache.remember_wires(keys, wires)
+    cache.remember_wires(list(keys), wires)  # the same run again replaces it
+    cache.remember(descriptors[4:])
+    assert len(cache) == 6
+    assert cache.take(keys[::-1]) == descriptors[::-1]
+    cache.remember_wires([os.urandom(32) for _ in range(4)], wires[: 4 * DESCRIPTOR_SIZE])
+    assert cache.take(keys[:4]) == [None] * 4  # the oldest made room
+    # Keys 4 and 5 are held twice (two lookups found them), so 6 keys fill the 8 entries.
+    assert len(cache) == 6
+    assert cache.take(keys[4:]) == descriptors[4:]

@@ -195,7 +195,11 @@ class Gate:
             self._selector.register(self._listener, selectors.EVENT_READ)
 
     def _accept_all(self) -> None:
-        while not self._closed:
+        # At most max_pending per turn: handshakes already under way get their turn between
+        # bursts, however fast strangers connect.
+        for _ in range(self._max_pending):
+            if self._closed:
+                return
             try:
                 sock, _ = self._listener.accept()
             except BlockingIOError:

@@ -261,6 +261,8 @@ class TcpServer(TransportServer):
             except TimeoutError:
                 self._counters.add("idle_timeouts")
                 return
+            except Truncated:
+                return  # TLS: the peer closed between frames
             if first == 0 or conn.evicted:
                 return
             conn.idle_since = None

@@ -1,13 +1,20 @@
-"""Keys derived from one shared secret: CurveZMQ on the control plane, a token on TCP data.
+"""Keys derived from one shared secret: CurveZMQ on the control plane, a key on TCP data.
 
 Every process of a deployment is given the same secret (``--secret-file`` or the
 ``KVFABRIC_SECRET`` environment variable). From it each side derives the controller's Curve
 key pair, one client key pair that the controller's ZAP handler admits, and the TCP data
-plane's token — so knowing the secret is the credential, and nothing else is exchanged.
+plane's key — so knowing the secret is the credential, and nothing else is exchanged.
+
+The TCP data key never crosses the wire: the tcp transport proves it per connection with a
+challenge and response (``kvfabric.transports.tcp_auth``). A recorded handshake still lets
+an eavesdropper test guesses of the secret offline, so that key is derived with scrypt
+(2^14 rounds, 16 MiB: ~0.1 s, once per secret per process) rather than a fast hash; a
+secret of 32 random bytes is out of reach either way (docs/security.md).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from pathlib import Path
@@ -40,6 +47,12 @@ def _derive(secret: bytes, purpose: bytes) -> bytes:
     return hashlib.blake2b(secret, digest_size=32, person=b"kvfabric." + purpose[:6]).digest()
 
 
+@functools.lru_cache(maxsize=8)
+def _data_key(secret: bytes) -> bytes:
+    """The tcp data plane's key: slow to derive, since its handshakes can be recorded."""
+    return hashlib.scrypt(secret, salt=b"kvfabric.tcpdat", n=1 << 14, r=8, p=1, dklen=32)
+
+
 @attrs.frozen
 class Credentials:
     server_public: bytes
@@ -47,6 +60,7 @@ class Credentials:
     client_public: bytes
     client_secret: bytes
     data_token: bytes
+    """The tcp data plane's key (``TransportConfig.token``); it never crosses the wire."""
 
     @classmethod
     def from_secret(cls, secret: bytes) -> Credentials:
@@ -59,7 +73,7 @@ class Credentials:
             server_secret=server_secret,
             client_public=zmq.curve_public(client_secret),
             client_secret=client_secret,
-            data_token=_derive(secret, b"tcpdat"),
+            data_token=_data_key(secret),
         )
 
     def secure_client(self, socket: zmq.Socket[Any]) -> None:

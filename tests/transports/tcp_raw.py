@@ -141,6 +141,9 @@ class Proxy:
         )
 
     def close(self) -> None:
+        # shutdown() wakes the thread blocked in accept() (close() alone does not, on Linux).
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         with self._lock:
             sockets = list(self._sockets)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TlsFiles
-from tcp_raw import Proxy, address, local_endpoint, local_node
+from tcp_raw import Proxy, address, local_endpoint, local_node, wait_for
 
 import kvfabric
 from kvfabric import PutOutcome
@@ -111,8 +111,10 @@ def test_a_node_presenting_a_certificate_the_client_does_not_trust_is_refused(
                 client.write(1, [segment_for(endpoint, 0, 0, b"x" * 8)])
         finally:
             client.close()
+        # The node sees the client's alert when its accept loop next runs.
+        wait_for(lambda: stranger.servers["tcp"].stats()["tls_failures"] == 1)
         stats = stranger.servers["tcp"].stats()
-        assert (stats["tls_failures"], stats["handshakes"], stats["requests"]) == (1, 0, 0)
+        assert (stats["handshakes"], stats["requests"]) == (0, 0)
     finally:
         stranger.close()
 
@@ -203,7 +205,9 @@ def test_a_store_over_tls_with_a_secret_round_trips_between_real_processes(
     with Cluster(
         nodes=1, transports=("tcp",), capacity="64MiB", node_args=node_args, secret=b"s3cret"
     ) as cluster:
-        url = cluster.url(transport="tcp", **{"tcp.tls": "true", "tcp.tls_ca": str(tls_files.cert)})
+        tls = {"tcp.tls": "true", "tcp.tls_ca": str(tls_files.cert)}
+        # The timeout bounds a hang, not the machine's speed (TLS on a busy 2-core host).
+        url = cluster.url(transport="tcp", timeout="30s", **tls)
         with kvfabric.connect(url) as store:
             assert store.batched_put(keys, values) == [PutOutcome.STORED] * len(keys)
             assert store.batched_get(keys) == values

@@ -225,14 +225,14 @@ def test_engine_b_loads_the_whole_prefix_and_reproduces_a(
     assert worker["loaded_blocks"] == 10
     assert worker.get("load_errors", 0) == 0
     assert_same_output(a_outputs["shared"], out)
-    # The lookup of one request is one control RPC, counted by the connector around its
-    # batched_contains and by the controller; the load needs none (the lookup's descriptors
-    # travel to the worker), so lookup + load of the request is that one RPC in all.
+    # The lookup of one request reads the controller's lookup image: no control RPC, counted
+    # by the connector around its batched_contains and by the controller; the load needs
+    # none either (the lookup's descriptors travel to the worker).
     assert scheduler["lookups"] == 1
-    assert scheduler["lookup_control_rpcs"] == 1
-    assert lookups == 1
+    assert scheduler["lookup_control_rpcs"] == 0
+    assert lookups == 0
     assert worker["load_control_rpcs"] == 0
-    assert rpcs == 1
+    assert rpcs == 0
 
 
 def test_lookup_leaves_a_token_to_compute_skips_local_blocks_and_can_repeat(
@@ -241,10 +241,11 @@ def test_lookup_leaves_a_token_to_compute_skips_local_blocks_and_can_repeat(
     b = engines["B"]
     # kvfabric holds all 10 blocks of this prompt, but vLLM must compute at least one token.
     exact = b.call("lookup", prompt=SHARED[: 10 * BLOCK], num_computed_tokens=0, repeat=3)
-    # vLLM may ask again for a request it could not schedule: same answer, one RPC each.
+    # vLLM may ask again for a request it could not schedule: same answer, from the lookup
+    # image each time (no control RPC).
     assert exact["answers"] == [[9 * BLOCK, False]] * 3
     assert exact["counters"]["lookups"] == 3
-    assert exact["counters"]["lookup_control_rpcs"] == 3
+    assert exact["counters"]["lookup_control_rpcs"] == 0
     # Blocks vLLM has in its own prefix cache are not asked for.
     local = b.call("lookup", prompt=SHARED, num_computed_tokens=4 * BLOCK, repeat=1)
     assert local["answers"] == [[6 * BLOCK, False]]

@@ -123,7 +123,9 @@ def step(
 # -- lookups ------------------------------------------------------------------------------
 
 
-def test_lookup_is_one_control_rpc_and_counts_blocks_every_rank_holds(harness: Harness) -> None:
+def test_lookup_costs_no_control_rpc_and_counts_blocks_every_rank_holds(
+    harness: Harness,
+) -> None:
     request = vllm_request(10 * BS + 2)  # 10 full blocks and a partial one
     harness.store(request, range(0, 6))
     harness.store(request, range(6, 7), ranks=[(0, 0)])  # block 6: one rank's shard only
@@ -133,7 +135,7 @@ def test_lookup_is_one_control_rpc_and_counts_blocks_every_rank_holds(harness: H
         "lookups": 1,
         "lookup_blocks": 10,
         "lookup_hit_blocks": 6,
-        "lookup_control_rpcs": 1,
+        "lookup_control_rpcs": 0,  # the store answers from its index's lookup image
         "invalid_blocks_reported": 0,
     }
 
@@ -146,7 +148,7 @@ def test_lookup_leaves_a_token_to_compute_skips_local_blocks_and_can_repeat(
     answers = [harness.side.get_num_new_matched_tokens(request, 0) for _ in range(3)]
     assert answers == [3 * BS] * 3  # vLLM must compute the last token itself
     counters = harness.side.counters.snapshot()
-    assert (counters["lookups"], counters["lookup_control_rpcs"]) == (3, 3)
+    assert (counters["lookups"], counters["lookup_control_rpcs"]) == (3, 0)
     # Two blocks in vLLM's own prefix cache: only the third is asked for.
     assert harness.side.get_num_new_matched_tokens(request, 2 * BS) == BS
     assert harness.side.counters.snapshot()["lookup_blocks"] == 3 * 3 + 1

@@ -12,7 +12,8 @@ takes it back once per batch. Rows:
 - crc: the ``crc32c`` package once per value vs ``native.crc32c_many``;
 - copy: numpy ``copyto`` per value (the memcpy baseline), ``ctypes.memmove`` per value (as
   ``kvfabric.spi.copy_into`` does) vs ``native.copy_many``; and copy then CRC per value vs
-  the fused ``copy_many(crc_spans=...)``;
+  the fused ``copy_many(crc_spans=...)``, reading the CRC back from the destination (what
+  ``shm`` reads do) or taking it from the source (``crc_of_source``: what ``shm`` puts do);
 - recv over 127.0.0.1 from a sender process: a Python ``recvmsg_into`` loop (the plain
   socket baseline) vs ``native.recv_into_all``; and with a CRC per value after landing vs
   the fused ``recv_into_all(crc_spans=...)``.
@@ -187,6 +188,10 @@ def copy_rows(
         (
             "copy+crc: native.copy_many(crc_spans) fused",
             _native_call(lambda: native.copy_many(pairs, spans)),
+        ),
+        (
+            "copy+crc: fused, CRC of the source (a put)",
+            _native_call(lambda: native.copy_many(pairs, spans, crc_of_source=True)),
         ),
     ]
 

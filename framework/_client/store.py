@@ -193,7 +193,7 @@ class Store:
 
     def _contains_from_image(self, image: ImageReader, keys: Sequence[bytes]) -> int:
         try:
-            hits, stop, wires = image.prefix(keys)
+            hits, stop, wires, trips = image.prefix(keys)
         except TypeError:
             _check_keys(keys)  # raises the error that says what a key must be
             raise
@@ -206,7 +206,7 @@ class Store:
                 lookups=1,
                 prefix_hits=hits,
                 onesided_lookups=1,
-                image_round_trips=image.round_trips,
+                image_round_trips=trips,
             )
             self._observe(keys, hits)
             return hits
@@ -220,18 +220,18 @@ class Store:
             prefix_hits=total,
             image_fallbacks=1,
             image_unavailable=int(stop == ImageStop.UNUSABLE),
-            image_round_trips=image.round_trips,
+            image_round_trips=trips,
         )
         self._observe(keys, total)
         return total
 
     def _exists_from_image(self, image: ImageReader, keys: Sequence[bytes]) -> list[bool]:
         try:
-            states = image.exists(keys)
+            states, trips = image.exists(keys)
         except TypeError:
             _check_keys(keys)
             raise
-        self._counters.update(exists_calls=1, image_round_trips=image.round_trips)
+        self._counters.update(exists_calls=1, image_round_trips=trips)
         found = [state == ImageStop.HIT for state in states]
         if ImageStop.UNKNOWN not in states:
             self._counters.add("onesided_lookups")

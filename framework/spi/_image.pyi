@@ -8,21 +8,16 @@ def image_store(
 ) -> None: ...
 def image_beat(image: WriteableBuffer, alive: bool, /) -> None: ...
 def image_prefix(
-    image: ReadableBuffer,
-    keys: Sequence[bytes],
-    image_id: int,
-    positions: ReadableBuffer | None,
-    max_age: float,
-    /,
+    image: ReadableBuffer, keys: Sequence[bytes], image_id: int, max_age: float, /
 ) -> tuple[int, int, bytes]: ...
 def image_exists(
-    image: ReadableBuffer,
-    keys: Sequence[bytes],
-    image_id: int,
-    positions: ReadableBuffer | None,
-    max_age: float,
-    /,
+    image: ReadableBuffer, keys: Sequence[bytes], image_id: int, max_age: float, /
 ) -> tuple[bool, bytes]: ...
-def image_windows(
-    keys: Sequence[bytes], log2_buckets: int, window: int, /
-) -> tuple[bytes, bytes]: ...
+def image_apply(
+    mirror: WriteableBuffer,
+    header: ReadableBuffer,
+    entries: ReadableBuffer,
+    first: int,
+    cursor: int,
+    /,
+) -> tuple[int, int, int]: ...

@@ -3,11 +3,12 @@
 An index that owns its entries in one process (the ``memory`` index) can publish them as an
 *image*: shareable memory, written only by the index (under its lock), that the controller
 registers with its transports like a data node's region. A client then answers
-``batched_contains`` by reading the buckets of its keys itself — a mapped read on the same
-host, one data-plane round trip over ``tcp`` or ``ucx`` — and the controller's CPU does no
-work per lookup. The image is a shortcut, like the prefetch cache: a bucket that is torn,
-stale or unreadable is *unknown* and the client asks the controller; a stale hit is read and
-validated like every descriptor, so it can only cost a miss.
+``batched_contains`` itself — probing the mapped image in place on the same host; elsewhere
+keeping a mirror of its buckets that one data-plane read per lookup brings up to date (the
+ring below) — and the controller's CPU does no work per lookup. The image is a shortcut,
+like the prefetch cache: a bucket that is torn, stale or unreadable is *unknown* and the
+client asks the controller; a stale hit is read and validated like every descriptor, so it
+can only cost a miss.
 
 Layout (little-endian). A 64-byte header::
 
@@ -18,8 +19,12 @@ Layout (little-endian). A 64-byte header::
     12  u32 log2 of the bucket count N
     16  u64 image id (random per image: a client checks it is reading the image it was told of)
     24  u64 heartbeat: the owner's CLOCK_MONOTONIC in ns, restamped every ~0.25 s (0: closed)
-    32  28  zero
-    60  u32 CRC32C of bytes 0..24 and 32..60
+    32  u64 ring head: bucket rewrites logged so far
+    40  u32 log2 of the ring's length R (0: no ring)
+    44  u32 ring entry size (96)
+    48  u64 where the ring starts
+    56  u32 zero
+    60  u32 CRC32C of bytes 0..24 and 40..60
 
 then ``N + W - 1`` buckets of 64 bytes (so no window wraps)::
 
@@ -31,6 +36,13 @@ then ``N + W - 1`` buckets of 64 bytes (so no window wraps)::
                       form after its key, byte for byte
     60  u32 check     CRC32C of bytes 0..60, the sequence number included
 
+then the ring: R entries of 96 bytes, rewrite number h in slot h mod R::
+
+     0  u64 h       88  u32 CRC32C of bytes 0..88
+     8  u64 bucket  92  u32 zero
+    16  64B the bucket's bytes after rewrite h
+    80  u64 h again
+
 A key's *home* is ``key[0:8]`` (little-endian) mod N; it lives in the first free bucket of
 buckets home..home+W-1, or, if none is free, not in the image (its home's overflow count
 says so). Keys are uniform hashes, so the home and the 64-bit tag together tell keys apart
@@ -40,13 +52,20 @@ then the record read would fail validation (its header carries the whole key).
 A probe of one key reads its window and answers *hit* (a whole bucket holding the key),
 *miss* (every bucket whole, none holding the key, overflow 0) or *unknown* (anything else).
 The owner rewrites a bucket as a seqlock (odd number, the bytes, the next even number,
-ordered by release fences): a reader of live memory compares the number before and after its
-copy; a reader of a landed copy relies on the even number and the check. Keys never move
-between buckets while they are published, so a reader that sees a window over some
+ordered by release fences), logs the new bytes in the ring, and then advances the head. A
+probe compares a bucket's number before and after its copy and checks the bucket's CRC. Keys
+never move between buckets while they are published, so a probe that sees a window over some
 microseconds sees each key that stayed published meanwhile.
 
-The probes and the writer are C (``kvfabric.spi._image``): a probe of 64 keys is a few
-microseconds and takes the GIL once.
+A client elsewhere copies the buckets once (:func:`ring_pieces` says where the entries it
+lacks lie), then per lookup lands the header and the entries since its cursor — one read of
+two or three segments, whatever the number of keys — and applies them to its mirror
+(:func:`image_apply`): its mirror is then as fresh as the head it read, as a direct read of
+the buckets would be. Entries are checked (number, CRC); a client that fell more than R
+rewrites behind copies the buckets again.
+
+The probes, the writer and the mirror's update are C (``kvfabric.spi._image``): a probe of
+64 keys is a few microseconds and takes the GIL once.
 """
 
 from __future__ import annotations
@@ -71,14 +90,17 @@ __all__ = [
     "IMAGE_NODE",
     "IMAGE_REGION",
     "IMAGE_WINDOW",
+    "RING_ENTRY_SIZE",
     "ImageGeometry",
     "ImageStop",
+    "RingState",
     "host_identity",
+    "image_apply",
     "image_beat",
     "image_exists",
     "image_prefix",
     "image_store",
-    "image_windows",
+    "ring_pieces",
 ]
 
 IMAGE_MAGIC = b"KVFI"
@@ -94,7 +116,23 @@ data node gets it: ids count up from 1)."""
 IMAGE_REGION = 0xFFFFFFFF
 """The image's region id on the transport servers that serve it (apart from node regions)."""
 
-_HEADER = struct.Struct("<4sHHIIQQ28x")
+RING_ENTRY_SIZE = 96
+_HEADER = struct.Struct("<4sHHIIQQQIIQ4x")
+
+
+class RingState:
+    """How a mirror's update went (:func:`image_apply`)."""
+
+    CAUGHT_UP = 0
+    """Every logged rewrite is applied."""
+    BEHIND = 1
+    """More were logged than were landed: read on from the new cursor."""
+    GAP = 2
+    """The landed entries start after the cursor."""
+    LAPPED = 3
+    """The ring moved on more than its length (or an entry was torn): copy the buckets."""
+    FOREIGN = 4
+    """Another image (the owner restarted)."""
 
 
 class ImageStop:
@@ -118,6 +156,8 @@ class ImageGeometry:
     image_id: int
     log2_buckets: int
     window: int = IMAGE_WINDOW
+    log2_ring: int = 0
+    """log2 of the ring's length (0: no ring)."""
 
     @property
     def buckets(self) -> int:
@@ -125,37 +165,48 @@ class ImageGeometry:
         return 1 << self.log2_buckets
 
     @property
-    def size(self) -> int:
-        """Bytes of the whole image: the header and ``N + window - 1`` buckets."""
+    def buckets_end(self) -> int:
+        """Bytes of the header and the ``N + window - 1`` buckets; the ring starts here."""
         return IMAGE_HEADER_SIZE + (self.buckets + self.window - 1) * IMAGE_BUCKET_SIZE
+
+    @property
+    def ring_length(self) -> int:
+        return (1 << self.log2_ring) if self.log2_ring else 0
+
+    @property
+    def size(self) -> int:
+        """Bytes of the whole image: header, buckets and ring."""
+        return self.buckets_end + self.ring_length * RING_ENTRY_SIZE
 
     @classmethod
     def fitting(cls, image_id: int, size: int, window: int = IMAGE_WINDOW) -> ImageGeometry:
-        """The most buckets (a power of two, at least 2 ** 10) whose bytes fit in ``size``;
-        the header and the window's tail add ~0.5 KiB."""
+        """The most buckets (a power of two, at least 2 ** 10) whose bytes fit in ``size``,
+        and a ring of a quarter as many entries (1.5x ``size`` in all, with the ring)."""
         log2 = 10
         while (IMAGE_BUCKET_SIZE << (log2 + 1)) <= size:
             log2 += 1
-        return cls(image_id=image_id, log2_buckets=log2, window=window)
+        return cls(image_id=image_id, log2_buckets=log2, window=window, log2_ring=log2 - 2)
 
     def home(self, key: bytes) -> int:
         return int.from_bytes(key[:8], "little") & (self.buckets - 1)
 
     def header(self) -> bytes:
         """The header, heartbeat 0 (closed until the owner first beats)."""
-        raw = bytearray(
-            _HEADER.pack(
-                IMAGE_MAGIC,
-                IMAGE_FORMAT,
-                IMAGE_BUCKET_SIZE,
-                self.window,
-                self.log2_buckets,
-                self.image_id,
-                0,
-            )
+        raw = _HEADER.pack(
+            IMAGE_MAGIC,
+            IMAGE_FORMAT,
+            IMAGE_BUCKET_SIZE,
+            self.window,
+            self.log2_buckets,
+            self.image_id,
+            0,
+            0,
+            self.log2_ring,
+            RING_ENTRY_SIZE if self.log2_ring else 0,
+            self.buckets_end if self.log2_ring else 0,
         )
-        check = crc32c(raw[32:60], crc32c(raw[:24]))
-        return bytes(raw[:60]) + check.to_bytes(4, "little")
+        check = crc32c(raw[40:60], crc32c(raw[:24]))
+        return raw + check.to_bytes(4, "little")
 
     @classmethod
     def from_header(cls, data: ReadableBuffer) -> ImageGeometry:
@@ -163,14 +214,24 @@ class ImageGeometry:
         raw = bytes(memoryview(data)[:IMAGE_HEADER_SIZE])
         if len(raw) < IMAGE_HEADER_SIZE:
             raise ProtocolError("an image header is 64 bytes")
-        magic, fmt, bucket, window, log2, image_id, _ = _HEADER.unpack(raw[:60])
+        magic, fmt, bucket, window, log2, image_id, _, _, ring, entry, ring_at = _HEADER.unpack(
+            raw[:60]
+        )
         if (magic, fmt, bucket) != (IMAGE_MAGIC, IMAGE_FORMAT, IMAGE_BUCKET_SIZE):
             raise ProtocolError("not a kvfabric lookup image of format 1")
-        if int.from_bytes(raw[60:], "little") != crc32c(raw[32:60], crc32c(raw[:24])):
+        if int.from_bytes(raw[60:], "little") != crc32c(raw[40:60], crc32c(raw[:24])):
             raise ProtocolError("the image header fails its checksum")
-        if not 1 <= window <= 64 or log2 > 40:
+        if not 1 <= window <= 64 or log2 > 40 or ring > 32:
             raise ProtocolError(f"implausible image geometry: window {window}, 2**{log2}")
-        return cls(image_id=image_id, log2_buckets=log2, window=window)
+        geometry = cls(image_id=image_id, log2_buckets=log2, window=window, log2_ring=ring)
+        if ring and (entry != RING_ENTRY_SIZE or ring_at != geometry.buckets_end):
+            raise ProtocolError("the image's ring is not where format 1 puts it")
+        return geometry
+
+    @staticmethod
+    def head_of(header: ReadableBuffer) -> int:
+        """The ring head a header (as landed or mapped) carries."""
+        return int.from_bytes(memoryview(header)[32:40], "little")
 
 
 def image_store(image: WriteableBuffer, bucket: int, wire: bytes | None, overflow: int) -> None:
@@ -188,48 +249,56 @@ def image_beat(image: WriteableBuffer, alive: bool = True) -> None:
 
 
 def image_prefix(
-    image: ReadableBuffer,
-    keys: Sequence[bytes],
-    image_id: int,
-    positions: ReadableBuffer | None = None,
-    max_age: float = 0.0,
+    image: ReadableBuffer, keys: Sequence[bytes], image_id: int, max_age: float = 0.0
 ) -> tuple[int, int, bytes]:
     """Walk ``keys`` in order until one is not a hit: ``(hits, stop, wires)``.
 
     ``stop`` is an :class:`ImageStop`; ``wires`` holds the ``hits`` descriptors' wire forms.
-    ``image``: the whole image (live memory, read under the seqlock), or with ``positions``
-    (a u64 per key) a landed copy: its header at 0 and key i's window at ``positions[i]``.
-    ``max_age``: seconds the heartbeat may lag this host's clock (0: not checked). A key
-    that is not 32 ``bytes`` raises ``TypeError``.
+    ``image``: the image (its owner's memory, mapped) or a client's mirror of it, from the
+    header on. ``max_age``: seconds the heartbeat may lag this host's clock (0: not checked).
+    A key that is not 32 ``bytes`` raises ``TypeError``.
     """
-    return _image.image_prefix(image, keys, image_id, positions, max_age)
+    return _image.image_prefix(image, keys, image_id, max_age)
 
 
 def image_exists(
-    image: ReadableBuffer,
-    keys: Sequence[bytes],
-    image_id: int,
-    positions: ReadableBuffer | None = None,
-    max_age: float = 0.0,
+    image: ReadableBuffer, keys: Sequence[bytes], image_id: int, max_age: float = 0.0
 ) -> tuple[bool, bytes]:
     """Every key's state, one :class:`ImageStop` byte each; ``(usable, states)``."""
-    return _image.image_exists(image, keys, image_id, positions, max_age)
+    return _image.image_exists(image, keys, image_id, max_age)
 
 
-def image_windows(keys: Sequence[bytes], geometry: ImageGeometry) -> tuple[bytes, bytes]:
-    """What a remote probe lands: ``(ranges, positions)``.
+def image_apply(
+    mirror: WriteableBuffer,
+    header: ReadableBuffer,
+    entries: ReadableBuffer,
+    first: int,
+    cursor: int,
+) -> tuple[int, int, int]:
+    """Bring a mirror up to date: ``(cursor, head, state)``, ``state`` a :class:`RingState`.
 
-    ``ranges``: (image offset, length) u64 pairs, the header first, then the keys' windows
-    sorted and merged where they overlap or nearly touch; laid end to end they make the
-    landing buffer. ``positions``: each key's window in that buffer (u64 each), as
-    :func:`image_prefix` takes them.
+    ``mirror``: header and buckets, as copied; ``header``: the image's header as just landed;
+    ``entries``: ring entries landed after it, the first logging rewrite ``first``;
+    ``cursor``: the first rewrite the mirror lacks. Applies what was landed of rewrites
+    ``cursor .. head - 1``, each checked.
     """
-    return _image.image_windows(keys, geometry.log2_buckets, geometry.window)
+    return _image.image_apply(mirror, header, entries, first, cursor)
 
 
-def landing_size(ranges: bytes) -> int:
-    """Bytes of the landing buffer for ``ranges``."""
-    return sum(length for _, length in struct.iter_unpack("<QQ", ranges))
+def ring_pieces(geometry: ImageGeometry, first: int, count: int) -> list[tuple[int, int]]:
+    """Where ring entries ``first .. first + count - 1`` lie: (image offset, bytes) pieces,
+    two where the range wraps; laid end to end they are the entries in order."""
+    length = geometry.ring_length
+    count = min(count, length)
+    slot = first % length
+    start = geometry.buckets_end + slot * RING_ENTRY_SIZE
+    if slot + count <= length:
+        return [(start, count * RING_ENTRY_SIZE)]
+    head = length - slot
+    return [
+        (start, head * RING_ENTRY_SIZE),
+        (geometry.buckets_end, (count - head) * RING_ENTRY_SIZE),
+    ]
 
 
 def host_identity() -> bytes:

@@ -35,9 +35,12 @@ from kvfabric.spi import (
 from kvfabric.spi.image import (
     IMAGE_BUCKET_SIZE,
     IMAGE_HEADER_SIZE,
+    RING_ENTRY_SIZE,
+    RingState,
+    image_apply,
     image_exists,
     image_prefix,
-    image_windows,
+    ring_pieces,
 )
 
 HIT, MISS, UNKNOWN, UNUSABLE = (
@@ -169,23 +172,64 @@ def test_a_torn_bucket_is_never_a_hit_nor_a_miss(damage: str) -> None:
     assert image_exists(view, keys[4:5], geometry.image_id)[1] == bytes([HIT])
 
 
-def test_a_landed_copy_answers_like_the_live_image_and_a_torn_copy_is_unknown() -> None:
+def _ring(region: Region, geometry: ImageGeometry, first: int, count: int) -> bytearray:
+    """Ring entries ``first ..`` as a client lands them."""
+    pieces = ring_pieces(geometry, first, count)
+    return bytearray(b"".join(bytes(region.view[o : o + n]) for o, n in pieces))
+
+
+def test_a_mirror_brought_up_to_date_from_the_ring_answers_like_the_image() -> None:
     index = _index()
-    keys = _keys(64)
-    _publish(index, keys[:50])
+    keys = _keys(80)
+    _publish(index, keys[:30])
     region, geometry = _image(index)
-    ranges, positions = image_windows(keys, geometry)
-    plan = list(struct.iter_unpack("<QQ", ranges))
-    assert plan[0] == (0, IMAGE_HEADER_SIZE)
-    assert len(plan) <= 1 + len(keys)
-    landing = b"".join(bytes(region.view[o : o + n]) for o, n in plan)
-    copy = bytearray(landing)
-    live = image_prefix(region.view, keys, geometry.image_id)
-    assert image_prefix(copy, keys, geometry.image_id, positions) == live
-    where = struct.unpack_from("<Q", positions, 8 * 7)[0]
-    for bucket in range(geometry.window):  # tear every bucket of key 7's window
-        copy[where + bucket * IMAGE_BUCKET_SIZE + 30] ^= 0x40
-    assert image_prefix(copy, keys, geometry.image_id, positions)[:2] == (7, UNKNOWN)
+    mirror = bytearray(region.view[: geometry.buckets_end])  # the client's copy
+    cursor = ImageGeometry.head_of(region.view)
+    _publish(index, keys[30:60])
+    index.unpublish(keys[5:6])
+    header = bytes(region.view[:IMAGE_HEADER_SIZE])
+    head = ImageGeometry.head_of(header)
+    assert head - cursor == 31  # one rewrite per publish and per removal
+    entries = _ring(region, geometry, cursor, 40)
+    assert image_apply(mirror, header, entries, cursor, cursor) == (head, head, RingState.CAUGHT_UP)
+    assert image_exists(mirror, keys, geometry.image_id) == image_exists(
+        region.view, keys, geometry.image_id
+    )
+    assert image_prefix(mirror, keys, geometry.image_id)[:2] == (5, MISS)
+    # Entries landed for fewer rewrites than logged: applied as far as they go.
+    _publish(index, keys[60:80])
+    header = bytes(region.view[:IMAGE_HEADER_SIZE])
+    entries = _ring(region, geometry, head, 5)
+    assert image_apply(mirror, header, entries, head, head) == (
+        head + 5,
+        head + 20,
+        RingState.BEHIND,
+    )
+    # Nothing new: a mirror already past this header's head stays as it is.
+    assert image_apply(mirror, header, b"", head + 20, head + 20)[2] == RingState.CAUGHT_UP
+
+
+def test_a_torn_or_overwritten_ring_entry_is_never_applied() -> None:
+    index = _index(image_size=64 << 10)  # 1,024 buckets, a ring of 256 entries
+    region, geometry = _image(index)
+    mirror = bytearray(region.view[: geometry.buckets_end])
+    keys = _keys(8)
+    _publish(index, keys)
+    header = bytes(region.view[:IMAGE_HEADER_SIZE])
+    entries = _ring(region, geometry, 0, 8)
+    entries[3 * RING_ENTRY_SIZE + 40] ^= 1  # inside the bucket bytes of rewrite 3
+    cursor, head, state = image_apply(mirror, header, entries, 0, 0)
+    assert (cursor, head, state) == (3, 8, RingState.LAPPED)
+    assert image_exists(mirror, keys[:3], geometry.image_id)[1] == bytes([HIT] * 3)
+    # More rewrites than the ring holds since the cursor: the buckets must be copied again.
+    _publish(index, _keys(geometry.ring_length))
+    header = bytes(region.view[:IMAGE_HEADER_SIZE])
+    assert image_apply(mirror, header, b"", 3, 3)[2] == RingState.LAPPED
+    # Another image's header: not applied.
+    other = _index()
+    other_region, _ = _image(other)
+    foreign = bytes(other_region.view[:IMAGE_HEADER_SIZE])
+    assert image_apply(mirror, foreign, b"", 3, 3)[2] == RingState.FOREIGN
 
 
 def test_a_key_with_no_room_in_its_window_is_unknown_until_it_leaves() -> None:
@@ -218,11 +262,11 @@ def test_another_image_a_bad_header_or_a_stopped_owner_is_unusable() -> None:
     assert image_exists(region.view, keys, geometry.image_id + 1) == (False, bytes([UNKNOWN] * 4))
     # Fresh heartbeat: trusted; a stopped owner (closed, or silent past max_age): not.
     index.tick()
-    assert image_prefix(region.view, keys, geometry.image_id, None, 2.0)[:2] == (4, HIT)
+    assert image_prefix(region.view, keys, geometry.image_id, 2.0)[:2] == (4, HIT)
     image_beat(region.view, False)
-    assert image_prefix(region.view, keys, geometry.image_id, None, 2.0)[:2] == (0, UNUSABLE)
+    assert image_prefix(region.view, keys, geometry.image_id, 2.0)[:2] == (0, UNUSABLE)
     index.tick()
-    assert image_prefix(region.view, keys, geometry.image_id, None, 2.0)[:2] == (4, HIT)
+    assert image_prefix(region.view, keys, geometry.image_id, 2.0)[:2] == (4, HIT)
     header = bytearray(region.view[:IMAGE_HEADER_SIZE])
     header[12] ^= 1  # the bucket count: the header check fails
     copy = bytes(header) + bytes(region.view[IMAGE_HEADER_SIZE:])

@@ -1,7 +1,8 @@
 /* The lookup image: the index's key -> descriptor hash table, read one-sided by clients.
  *
  * The layout is kvfabric.spi.image's (its docstring is the reference); in short, a 64-byte
- * header, then buckets of 64 bytes:
+ * header, then buckets of 64 bytes, then a ring of 96-byte entries logging every bucket
+ * rewrite (remote clients keep a mirror of the buckets and read only what changed):
  *
  *   0 u32 seq       0: never written; odd while the owner rewrites the bucket
  *   4 u16 overflow  keys whose home is this bucket that fit in no window (saturating)
@@ -12,14 +13,15 @@
  *  60 u32 check     CRC32C of bytes 0..60 (the sequence number included)
  *
  * One writer (the index owner, under its lock) rewrites a bucket as a seqlock: odd sequence
- * number, the bytes, then the next even number. A reader of live memory (the same host's
- * mapping) takes the number before and after its copy; a reader of a landed copy (tcp, ucx)
- * has only the copy. Either way a bucket counts only if its number is even (and unchanged)
- * and its check holds, so a torn or half-written bucket is "unknown", never a hit and
- * never a miss.
+ * number, the bytes, then the next even number, and then logs the new bytes in the ring. A
+ * probe takes the number before and after its copy of a bucket (of the image itself, on its
+ * host, or of a client's mirror), and a bucket counts only if its number is even and
+ * unchanged and its check holds: a torn or half-written bucket is "unknown", never a hit
+ * and never a miss. A mirror takes only ring entries whose number and CRC hold.
  *
- * Probes keep the GIL: a window is 512 bytes, so even 1,024 keys are ~50 us of work, less
- * than the switch interval a return of the GIL would wait out beside a busy thread.
+ * Probes and applies keep the GIL: a window is 512 bytes, so even 1,024 keys are ~50 us
+ * of work, less than the switch interval a return of the GIL would wait out beside a busy
+ * thread.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -80,12 +82,18 @@ typedef struct {
     uint64_t id;
     uint32_t log2;
     uint32_t window;
-    Py_ssize_t size; /* bytes of a whole image: header and N + window - 1 buckets */
+    Py_ssize_t size;    /* bytes of the header and the N + window - 1 buckets */
+    uint32_t ring_log2; /* 0: no ring */
+    uint64_t ring_at;   /* where the ring starts */
 } Geometry;
 
-/* The header's check skips the heartbeat (bytes 24..32), which the owner restamps. */
+#define ENTRY 96
+#define MAX_RING_LOG2 32
+
+/* The header's check skips the heartbeat and the ring's head (bytes 24..40), which the
+   owner keeps rewriting. */
 static uint32_t header_check(const uint8_t *h) {
-    return kvf_crc32c(kvf_crc32c(0, h, 24), h + 32, 28);
+    return kvf_crc32c(kvf_crc32c(0, h, 24), h + 40, 20);
 }
 
 static int parse_header(const uint8_t *h, Geometry *g) {
@@ -94,22 +102,22 @@ static int parse_header(const uint8_t *h, Geometry *g) {
     g->window = get32(h + 8);
     g->log2 = get32(h + 12);
     g->id = get64(h + 16);
+    g->ring_log2 = get32(h + 40);
+    g->ring_at = get64(h + 48);
     if (g->window < 1 || g->window > MAX_WINDOW || g->log2 > MAX_LOG2 ||
-        get32(h + 60) != header_check(h))
+        g->ring_log2 > MAX_RING_LOG2 || get32(h + 60) != header_check(h))
         return -1;
     g->size = HEADER + (Py_ssize_t)(((uint64_t)1 << g->log2) + g->window - 1) * BUCKET;
+    if (g->ring_log2 && (get32(h + 44) != ENTRY || g->ring_at < (uint64_t)g->size))
+        return -1;
     return 0;
 }
 
 /* -- buckets ----------------------------------------------------------------------------- */
 
-/* Copy bucket `b` into `copy`; with `live` (memory another process may be writing) the
-   sequence number is read before and after, and a change makes the copy torn. */
-static uint32_t copy_bucket(const uint8_t *b, uint8_t *copy, int live) {
-    if (!live) {
-        memcpy(copy, b, BUCKET);
-        return get32(copy);
-    }
+/* Copy bucket `b` into `copy`, reading its sequence number before and after (the owner, or
+   a thread updating a mirror, may be rewriting it): a change makes the copy torn. */
+static uint32_t copy_bucket(const uint8_t *b, uint8_t *copy) {
     uint32_t before = __atomic_load_n((const uint32_t *)b, __ATOMIC_ACQUIRE);
     memcpy(copy, b, BUCKET);
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
@@ -133,13 +141,12 @@ static int bucket_state(const uint8_t *copy, uint32_t seq) {
 /* One key against its window: HIT (fields copied out), MISS or UNKNOWN. A hit needs only
    its own bucket to be whole; a miss needs every bucket of the window whole, none holding
    the key, and no key of this home that overflowed. */
-static int probe(const uint8_t *window, uint32_t w, const uint8_t *key, int live,
-                 uint8_t *fields) {
+static int probe(const uint8_t *window, uint32_t w, const uint8_t *key, uint8_t *fields) {
     uint64_t tag = get64(key + TAG_AT);
     int whole = 1;
     uint8_t copy[BUCKET];
     for (uint32_t i = 0; i < w; i++) {
-        uint32_t seq = copy_bucket(window + (size_t)i * BUCKET, copy, live);
+        uint32_t seq = copy_bucket(window + (size_t)i * BUCKET, copy);
         int state = bucket_state(copy, seq);
         if (state == TORN) {
             whole = 0;
@@ -159,18 +166,15 @@ static int probe(const uint8_t *window, uint32_t w, const uint8_t *key, int live
 
 typedef struct {
     Py_buffer image;
-    Py_buffer positions;
-    int has_positions;
+    int has_image;
     PyObject *keys; /* PySequence_Fast */
     Py_ssize_t n;
     Geometry g;
-    int live;
 } Probe;
 
 static void probe_release(Probe *p) {
-    PyBuffer_Release(&p->image);
-    if (p->has_positions)
-        PyBuffer_Release(&p->positions);
+    if (p->has_image)
+        PyBuffer_Release(&p->image);
     Py_XDECREF(p->keys);
 }
 
@@ -185,54 +189,28 @@ static int check_keys(PyObject *fast, const char *func) {
     return 0;
 }
 
-/* Parse (image, keys, image_id, positions, max_age). Returns 0, 1 when the image is not
-   usable (wrong id, bad header, stale heartbeat: every key is unknown), -1 on error. */
+/* Parse (image, keys, image_id, max_age). Returns 0, 1 when the image is not usable
+   (another image, a bad header, a stale heartbeat: every key is unknown), -1 on error. */
 static int probe_args(PyObject *args, Probe *p, const char *func) {
-    PyObject *keys, *positions;
+    PyObject *keys;
     unsigned long long id;
     double max_age;
     memset(p, 0, sizeof *p);
-    if (!PyArg_ParseTuple(args, "y*OKOd", &p->image, &keys, &id, &positions, &max_age))
+    if (!PyArg_ParseTuple(args, "y*OKd", &p->image, &keys, &id, &max_age))
         return -1;
+    p->has_image = 1;
     p->keys = PySequence_Fast(keys, "keys must be a sequence of 32-byte keys");
     if (!p->keys)
         return -1;
     if (check_keys(p->keys, func) < 0)
         return -1;
     p->n = PySequence_Fast_GET_SIZE(p->keys);
-    if (positions != Py_None) {
-        if (PyObject_GetBuffer(positions, &p->positions, PyBUF_SIMPLE) < 0)
-            return -1;
-        p->has_positions = 1;
-        if (p->positions.len != p->n * 8) {
-            PyErr_Format(PyExc_ValueError, "%s: positions holds %zd bytes for %zd keys", func,
-                         p->positions.len, p->n);
-            return -1;
-        }
-    }
-    /* Live memory (a mapping the owner writes) is read under the seqlock; a landed copy
-       is read as it is. */
-    p->live = !p->has_positions;
     const uint8_t *base = p->image.buf;
-    if (p->image.len < HEADER || parse_header(base, &p->g) < 0 || p->g.id != id)
+    if (p->image.len < HEADER || parse_header(base, &p->g) < 0 || p->g.id != id ||
+        p->image.len < p->g.size)
         return 1;
-    Py_ssize_t span = (Py_ssize_t)p->g.window * BUCKET;
-    if (p->has_positions) {
-        const uint8_t *pos = p->positions.buf;
-        for (Py_ssize_t i = 0; i < p->n; i++) {
-            uint64_t at = get64(pos + 8 * i);
-            if (at > (uint64_t)p->image.len || (uint64_t)p->image.len - at < (uint64_t)span) {
-                PyErr_Format(PyExc_ValueError, "%s: window of key %zd lies outside the buffer",
-                             func, i);
-                return -1;
-            }
-        }
-    } else if (p->image.len < p->g.size) {
-        return 1;
-    }
     if (max_age > 0) {
-        uint64_t beat = p->live ? __atomic_load_n((const uint64_t *)(base + 24), __ATOMIC_ACQUIRE)
-                                : get64(base + 24);
+        uint64_t beat = __atomic_load_n((const uint64_t *)(base + 24), __ATOMIC_ACQUIRE);
         uint64_t now = now_ns();
         /* 0: the owner closed the image. Older than max_age: the owner stopped. */
         if (beat == 0 || (now > beat && (double)(now - beat) > max_age * 1e9))
@@ -241,12 +219,9 @@ static int probe_args(PyObject *args, Probe *p, const char *func) {
     return 0;
 }
 
-static const uint8_t *window_of(const Probe *p, Py_ssize_t i, const uint8_t *key) {
-    const uint8_t *base = p->image.buf;
-    if (p->has_positions)
-        return base + get64((const uint8_t *)p->positions.buf + 8 * i);
+static const uint8_t *window_of(const Probe *p, const uint8_t *key) {
     uint64_t home = get64(key) & (((uint64_t)1 << p->g.log2) - 1);
-    return base + HEADER + home * BUCKET;
+    return (const uint8_t *)p->image.buf + HEADER + home * BUCKET;
 }
 
 static const uint8_t *key_at(const Probe *p, Py_ssize_t i) {
@@ -257,7 +232,7 @@ static void prefetch_window(const Probe *p, Py_ssize_t i) {
     if (i >= p->n)
         return;
     /* A key mostly sits in the first bucket or two of its window. */
-    const uint8_t *w = window_of(p, i, key_at(p, i));
+    const uint8_t *w = window_of(p, key_at(p, i));
     __builtin_prefetch(w);
     __builtin_prefetch(w + BUCKET);
 }
@@ -289,7 +264,7 @@ static PyObject *kvf_image_prefix(PyObject *self, PyObject *args) {
         prefetch_window(&p, i + PREFETCH_AHEAD);
         const uint8_t *key = key_at(&p, i);
         uint8_t *wire = out + hits * WIRE;
-        int state = probe(window_of(&p, i, key), p.g.window, key, p.live, wire + KEY);
+        int state = probe(window_of(&p, key), p.g.window, key, wire + KEY);
         if (state != HIT) {
             stop = state;
             break;
@@ -325,93 +300,108 @@ static PyObject *kvf_image_exists(PyObject *self, PyObject *args) {
         for (Py_ssize_t i = 0; i < p.n; i++) {
             prefetch_window(&p, i + PREFETCH_AHEAD);
             const uint8_t *key = key_at(&p, i);
-            out[i] = (uint8_t)probe(window_of(&p, i, key), p.g.window, key, p.live, fields);
+            out[i] = (uint8_t)probe(window_of(&p, key), p.g.window, key, fields);
         }
     }
     probe_release(&p);
     return Py_BuildValue("(OO)", rc == 1 ? Py_False : Py_True, states);
 }
 
-/* -- planning a remote read -------------------------------------------------------------- */
+/* -- the ring ---------------------------------------------------------------------------- */
 
-typedef struct {
-    uint64_t at;
-    Py_ssize_t key;
-} Window;
-
-static int by_offset(const void *a, const void *b) {
-    uint64_t x = ((const Window *)a)->at, y = ((const Window *)b)->at;
-    return (x > y) - (x < y);
+/* A ring entry: u64 sequence number | u64 bucket | the bucket's 64 bytes | u64 sequence
+   number again | u32 CRC32C of bytes 0..88 | u32 zero. */
+static void pack_entry(uint8_t *e, uint64_t seq, uint64_t bucket, const uint8_t *bytes) {
+    memset(e, 0, ENTRY);
+    memcpy(e, &seq, 8);
+    memcpy(e + 8, &bucket, 8);
+    memcpy(e + 16, bytes, BUCKET);
+    memcpy(e + 80, &seq, 8);
+    put32(e + 88, kvf_crc32c(0, e, 88));
 }
 
-/* The byte ranges of the image a remote probe must land: the header, then every key's
-   window, sorted, with windows that overlap or lie within one window of each other merged
-   (a few extra buckets cost less than a segment). `positions` gives each key's window in
-   the landing buffer, where the ranges are laid end to end in order. */
-static PyObject *kvf_image_windows(PyObject *self, PyObject *args) {
-    PyObject *keys;
-    unsigned int log2, w;
-    if (!PyArg_ParseTuple(args, "OII", &keys, &log2, &w))
+/* Log a bucket's new bytes in the ring (if the image has one), then advance the head: a
+   reader that sees head h finds entries h - R .. h - 1 written. */
+static void log_rewrite(uint8_t *base, Py_ssize_t len, uint64_t bucket, const uint8_t *bytes) {
+    Geometry g;
+    if (len < HEADER || parse_header(base, &g) < 0 || !g.ring_log2)
+        return;
+    uint64_t slots = (uint64_t)1 << g.ring_log2;
+    if (g.ring_at + slots * ENTRY > (uint64_t)len)
+        return;
+    uint64_t head = get64(base + 32);
+    uint8_t entry[ENTRY];
+    pack_entry(entry, head, bucket, bytes);
+    memcpy(base + g.ring_at + (head & (slots - 1)) * ENTRY, entry, ENTRY);
+    __atomic_store_n((uint64_t *)(base + 32), head + 1, __ATOMIC_RELEASE);
+}
+
+enum { CAUGHT_UP = 0, BEHIND = 1, GAP = 2, LAPPED = 3, FOREIGN = 4 };
+
+/* image_apply(mirror, header, entries, first, cursor) -> (cursor, head, code): bring a
+   client's mirror of the buckets up to date from ring entries it landed.
+
+   `header`: the image's header as just landed (its head tells how far the log goes);
+   `entries`: landed ring entries, the first one logging rewrite number `first`; `cursor`:
+   the first rewrite the mirror lacks. Applies rewrites cursor .. head - 1 that were landed,
+   each checked (its CRC, and its number: a slot the owner reused since is LAPPED).
+   Code: CAUGHT_UP; BEHIND (more were logged than landed: read on from the new cursor); GAP
+   (the entries start after the cursor); LAPPED (the ring moved on more than its length:
+   copy the buckets again); FOREIGN (another image). */
+static PyObject *kvf_image_apply(PyObject *self, PyObject *args) {
+    Py_buffer mirror, header, entries;
+    unsigned long long first, cursor;
+    if (!PyArg_ParseTuple(args, "w*y*y*KK", &mirror, &header, &entries, &first, &cursor))
         return NULL;
-    if (w < 1 || w > MAX_WINDOW || log2 > MAX_LOG2) {
-        PyErr_SetString(PyExc_ValueError, "image_windows: bad geometry");
-        return NULL;
-    }
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence of 32-byte keys");
-    if (!fast)
-        return NULL;
-    PyObject *ranges = NULL, *positions = NULL, *result = NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    Window *order = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Window));
-    uint64_t *spans = PyMem_Malloc((size_t)(2 * n + 2) * sizeof(uint64_t));
-    if (!order || !spans) {
-        PyErr_NoMemory();
+    PyObject *result = NULL;
+    Geometry mine, theirs;
+    uint64_t head = 0;
+    int code = FOREIGN;
+    if (header.len < HEADER || mirror.len < HEADER ||
+        parse_header((const uint8_t *)mirror.buf, &mine) < 0 ||
+        parse_header((const uint8_t *)header.buf, &theirs) < 0 || mine.id != theirs.id ||
+        mine.log2 != theirs.log2 || mine.window != theirs.window || !theirs.ring_log2 ||
+        mirror.len < mine.size)
+        goto done;
+    head = get64((const uint8_t *)header.buf + 32);
+    uint64_t slots = (uint64_t)1 << theirs.ring_log2;
+    uint64_t landed = (uint64_t)entries.len / ENTRY;
+    uint64_t buckets = ((uint64_t)1 << mine.log2) + mine.window - 1;
+    if (head <= cursor) {
+        /* Nothing new (another thread may have applied a later head already). */
+        code = CAUGHT_UP;
         goto done;
     }
-    if (check_keys(fast, "image_windows") < 0)
+    if (head - cursor > slots) {
+        code = LAPPED;
         goto done;
-    uint64_t mask = ((uint64_t)1 << log2) - 1, span = (uint64_t)w * BUCKET;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const uint8_t *key = (const uint8_t *)PyBytes_AS_STRING(PySequence_Fast_GET_ITEM(fast, i));
-        order[i].at = HEADER + (get64(key) & mask) * BUCKET;
-        order[i].key = i;
     }
-    qsort(order, (size_t)n, sizeof(Window), by_offset);
-    positions = PyBytes_FromStringAndSize(NULL, n * 8);
-    if (!positions)
+    if (cursor < first && cursor < head) {
+        code = GAP;
         goto done;
-    uint8_t *pos = (uint8_t *)PyBytes_AS_STRING(positions);
-    /* Range 0 is the header; the current range is [start, end) of the image, landing at
-       `landed` in the buffer. */
-    Py_ssize_t count = 0;
-    uint64_t start = 0, end = HEADER, landed = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t at = order[i].at;
-        if (at > end + span) {
-            spans[2 * count] = start;
-            spans[2 * count + 1] = end - start;
-            count++;
-            landed += end - start;
-            start = at;
-            end = at;
+    }
+    uint8_t *base = (uint8_t *)mirror.buf;
+    const uint8_t *log = (const uint8_t *)entries.buf;
+    code = CAUGHT_UP;
+    for (; cursor < head; cursor++) {
+        if (cursor - first >= landed) {
+            code = BEHIND;
+            break;
         }
-        if (at + span > end)
-            end = at + span;
-        uint64_t where = landed + (at - start);
-        memcpy(pos + 8 * order[i].key, &where, 8);
+        const uint8_t *e = log + (cursor - first) * ENTRY;
+        uint64_t bucket = get64(e + 8);
+        if (get64(e) != cursor || get64(e + 80) != cursor ||
+            get32(e + 88) != kvf_crc32c(0, e, 88) || bucket >= buckets) {
+            code = LAPPED; /* overwritten by a later lap (or torn while it was) */
+            break;
+        }
+        memcpy(base + HEADER + bucket * BUCKET, e + 16, BUCKET);
     }
-    spans[2 * count] = start;
-    spans[2 * count + 1] = end - start;
-    count++;
-    ranges = PyBytes_FromStringAndSize((const char *)spans, count * 16);
-    if (ranges)
-        result = PyTuple_Pack(2, ranges, positions);
 done:
-    Py_XDECREF(ranges);
-    Py_XDECREF(positions);
-    PyMem_Free(order);
-    PyMem_Free(spans);
-    Py_DECREF(fast);
+    result = Py_BuildValue("(KKi)", (unsigned long long)cursor, (unsigned long long)head, code);
+    PyBuffer_Release(&mirror);
+    PyBuffer_Release(&header);
+    PyBuffer_Release(&entries);
     return result;
 }
 
@@ -433,7 +423,13 @@ static PyObject *kvf_image_store(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "image_store: wire is a 76-byte descriptor, b\"\" or None");
         goto done;
     }
-    if (image.len < HEADER || bucket >= (uint64_t)(image.len - HEADER) / BUCKET) {
+    Geometry g;
+    if (image.len < HEADER || parse_header((const uint8_t *)image.buf, &g) < 0 ||
+        image.len < g.size) {
+        PyErr_SetString(PyExc_ValueError, "image_store: not an image");
+        goto done;
+    }
+    if (bucket >= ((uint64_t)1 << g.log2) + g.window - 1) {
         PyErr_Format(PyExc_IndexError, "image_store: bucket %llu is outside the image", bucket);
         goto done;
     }
@@ -470,6 +466,7 @@ static PyObject *kvf_image_store(PyObject *self, PyObject *args) {
     __atomic_thread_fence(__ATOMIC_RELEASE);
     memcpy(b + 4, next + 4, BUCKET - 4);
     __atomic_store_n((uint32_t *)b, even, __ATOMIC_RELEASE);
+    log_rewrite((uint8_t *)image.buf, image.len, bucket, next);
     result = Py_NewRef(Py_None);
 done:
     PyBuffer_Release(&image);
@@ -502,11 +499,11 @@ static PyMethodDef methods[] = {
     {"image_beat", kvf_image_beat, METH_VARARGS,
      "image_beat(image, alive, /): stamp the header's heartbeat (0: closed)."},
     {"image_prefix", kvf_image_prefix, METH_VARARGS,
-     "image_prefix(image, keys, image_id, positions, max_age, /) -> (hits, stop, wires)"},
+     "image_prefix(image, keys, image_id, max_age, /) -> (hits, stop, wires)"},
     {"image_exists", kvf_image_exists, METH_VARARGS,
-     "image_exists(image, keys, image_id, positions, max_age, /) -> (usable, states)"},
-    {"image_windows", kvf_image_windows, METH_VARARGS,
-     "image_windows(keys, log2_buckets, window, /) -> (ranges, positions)"},
+     "image_exists(image, keys, image_id, max_age, /) -> (usable, states)"},
+    {"image_apply", kvf_image_apply, METH_VARARGS,
+     "image_apply(mirror, header, entries, first, cursor, /) -> (cursor, head, code)"},
     {NULL, NULL, 0, NULL},
 };
 

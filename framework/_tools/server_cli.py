@@ -216,21 +216,22 @@ def _describe(node: DataNode) -> str:
     """Capacity, backend and every transport with its address, for the ready line."""
     regions = node.backend.regions()
     capacity = sum(r.size for r in regions)
-    parts = []
-    for name, server in node.servers.items():
-        address = server.address
-        text = address.decode("ascii", errors="replace")
-        if name == "shm":
-            parts.append("shm (same host)")
-        elif text.isprintable() and "\ufffd" not in text:
-            parts.append(f"{name}@{text}")
-        else:
-            parts.append(f"{name} ({len(address)}-byte address)")
+    parts = [_endpoint_words(name, server.address) for name, server in node.servers.items()]
     region_word = "region" if len(regions) == 1 else "regions"
     return (
         f"{format_size(capacity)} ({capacity} bytes, {node.backend.name}, {len(regions)} "
         f"{region_word}) over {', '.join(parts)}"
     )
+
+
+def _endpoint_words(name: str, address: bytes) -> str:
+    """A transport and its address as the ready lines show them."""
+    text = address.decode("ascii", errors="replace")
+    if name == "shm":
+        return "shm (same host)"
+    if text.isprintable() and "\ufffd" not in text:
+        return f"{name}@{text}"
+    return f"{name} ({len(address)}-byte address)"
 
 
 def _stop_on_signals(stop: Callable[[], None]) -> None:
@@ -304,10 +305,7 @@ def _image_words(controller: Controller) -> str:
     image = controller.image
     if image is None:
         return "; no lookup image (lookups by RPC)"
-    parts = [
-        "shm" if e.transport == "shm" else f"{e.transport}@{e.address.decode(errors='replace')}"
-        for e in image.endpoints
-    ]
+    parts = [_endpoint_words(e.transport, e.address) for e in image.endpoints]
     return f"; lookup image over {', '.join(parts) or 'nothing'}"
 
 

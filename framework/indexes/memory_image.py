@@ -17,6 +17,7 @@ not in the image, counted in its home bucket, so lookups of that home ask the in
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import secrets
@@ -33,6 +34,11 @@ from kvfabric.spi import (
 )
 
 __all__ = ["MemoryImage", "NoImage"]
+
+log = logging.getLogger(__name__)
+
+# Past this share of entries spilled, lookups fall back to RPC often enough to say so.
+_SPILL_WARNING = 0.01
 
 
 class MemoryImage:
@@ -73,6 +79,7 @@ class MemoryImage:
         """Keys with no room in their window -> their home."""
         self._overflow: dict[int, int] = {}
         """Home -> how many of its keys are spilled."""
+        self._warned = False
 
     def put(self, descriptor: Descriptor) -> None:
         """The key is published with this descriptor."""
@@ -85,6 +92,7 @@ class MemoryImage:
             self._spilled[key] = home
             count = self._overflow[home] = self._overflow.get(home, 0) + 1
             image_store(self._view, home, None, count)
+            self._warn_if_crowded()
             return
         self._used[slot] = 1
         self._where[key] = slot
@@ -103,6 +111,20 @@ class MemoryImage:
             if count:
                 self._overflow[home] = count
             image_store(self._view, home, None, count)
+
+    def _warn_if_crowded(self) -> None:
+        spilled, total = len(self._spilled), len(self._spilled) + len(self._where)
+        if self._warned or total < 1000 or spilled < total * _SPILL_WARNING:
+            return
+        self._warned = True
+        log.warning(
+            "the lookup image holds %d entries in %d buckets and %d found no room: lookups "
+            "of those go by RPC; a larger image (--index-opt memory.image=SIZE, about 256 "
+            "bytes per entry) keeps them one-sided",
+            total,
+            self.geometry.buckets,
+            spilled,
+        )
 
     def beat(self) -> None:
         """Tell same-host readers the owner is alive (called every controller tick)."""

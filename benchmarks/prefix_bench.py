@@ -1,7 +1,8 @@
-"""kvfabric against memcpy, a raw socket and Redis: ``python benchmarks/prefix_bench.py``.
+"""kvfabric against memcpy, a raw socket, Redis, Mooncake Store and InfiniStore:
+``python benchmarks/prefix_bench.py``.
 
 The same as ``kvfabric bench`` (see kvfabric._tools.bench for what is measured); arguments pass
-through, e.g. ``--sizes 4MiB --repeat 9 --no-redis``.
+through, e.g. ``--sizes 4MiB --repeat 9 --no-redis --peers-python ../peers-venv/bin/python``.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvfabric._tools.bench_cli import add_bench_arguments
 from kvfabric._tools.server_cli import HelpFormatter
 from kvfabric.errors import ControllerUnavailableError, KvfabricError
 
@@ -103,12 +104,9 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from kvfabric._tools.bench import run_bench
-    from kvfabric.spi.units import parse_size
+    from kvfabric._tools.bench_cli import cmd_bench
 
-    sizes = tuple(parse_size(s) for s in args.sizes.split(",") if s)
-    run_bench(sizes=sizes, count=args.count, repeat=args.repeat, redis=not args.no_redis)
-    return 0
+    return cmd_bench(args)
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -203,21 +201,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="kvfabric vs memcpy, raw sockets and Redis",
+        help="kvfabric vs memcpy, raw sockets, Redis, Mooncake Store and InfiniStore",
         description="Time kvfabric (over tcp, shm and ucx where installed, against real "
-        "controller and node processes) next to memcpy, a raw socket and Redis; print a "
-        "table of medians and ratios. The Redis rows need redis-py ('kvfabric[bench]') "
+        "controller and node processes) next to memcpy, a raw socket, Redis and, where "
+        "their venv is given, Mooncake Store and InfiniStore; print tables of medians and "
+        "ratios and issue 12's targets. The Redis rows need redis-py ('kvfabric[bench]') "
         "and redis-server on PATH.",
         formatter_class=HelpFormatter,
     )
-    bench.add_argument(
-        "--sizes", default="256KiB,4MiB", metavar="SIZE,...", help="chunk sizes, comma-separated"
-    )
-    bench.add_argument("--count", type=_positive, default=64, help="chunks per batch")
-    bench.add_argument(
-        "--repeat", type=_positive, default=5, help="runs per measurement (median shown)"
-    )
-    bench.add_argument("--no-redis", action="store_true", help="skip the Redis rows")
+    add_bench_arguments(bench)
     bench.set_defaults(func=_cmd_bench)
 
     stats = sub.add_parser(

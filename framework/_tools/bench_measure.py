@@ -1,0 +1,157 @@
+"""What every part of ``kvfabric bench`` measures with: the row it reports, medians, and a busy
+pure-Python thread to read beside.
+
+A row is one phase of one system at one chunk size: the median seconds of one batch (or, for
+lookups, of one call; for controller CPU, the CPU seconds per lookup). Phases are named by
+the constants here so the report finds what the measuring code wrote.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "CONTAINS",
+    "CONTROLLER_CPU",
+    "COPY",
+    "GET",
+    "PUT_FRESH",
+    "PUT_WARM",
+    "READS_ALONE",
+    "READS_BUSY",
+    "RE_PUT",
+    "RTT",
+    "STREAM",
+    "BenchRow",
+    "Busy",
+    "beside_busy",
+    "median_seconds",
+]
+
+COPY = "copy"
+STREAM = "stream"
+RTT = "small RTT"
+PUT_FRESH = "put fresh"  # into memory no put wrote before (a server just started)
+PUT_WARM = "put warm"  # into slots written before
+RE_PUT = "re-put"  # the same keys again: kvfabric and Redis only
+GET = "get"
+CONTAINS = "contains"  # count = keys per call
+READS_ALONE = "reads alone"  # contains + get of one batch, in a loop
+READS_BUSY = "reads beside busy"  # the same beside a busy pure-Python thread
+CONTROLLER_CPU = "controller cpu"  # seconds of controller CPU per lookup of count keys
+
+
+@attrs.frozen(kw_only=True)
+class BenchRow:
+    """One measurement: ``seconds`` is the median time of one batch of ``count`` chunks of
+    ``size`` bytes (lookups: of one call of ``count`` keys)."""
+
+    system: str
+    phase: str
+    size: int
+    count: int
+    seconds: float
+    note: str = ""
+    # Reads beside a busy thread: the share of its idle counting rate that thread kept.
+    kept: float | None = None
+
+    @property
+    def gbps(self) -> float:
+        return self.size * self.count / self.seconds / 1e9
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> BenchRow:
+        return cls(
+            system=str(data["system"]),
+            phase=str(data["phase"]),
+            size=int(data["size"]),
+            count=int(data["count"]),
+            seconds=float(data["seconds"]),
+            note=str(data.get("note") or ""),
+            kept=None if data.get("kept") is None else float(data["kept"]),
+        )
+
+
+def median_seconds(
+    fn: Callable[[], object],
+    repeat: int,
+    setup: Callable[[], object] | None = None,
+    *,
+    warm_up: bool = True,
+) -> float:
+    """The median time of ``repeat`` calls of ``fn`` (``setup`` before each, untimed).
+
+    ``warm_up`` adds one untimed first call (caches, connections, page tables); phases that
+    must see untouched memory turn it off.
+    """
+    samples = []
+    for n in range(repeat + int(warm_up)):
+        if setup is not None:
+            setup()
+        started = time.perf_counter()
+        fn()
+        if n or not warm_up:
+            samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+class Busy:
+    """A pure-Python counting loop on its own thread: an engine's scheduler or event loop,
+    standing in. Each time a reader takes the GIL back beside it, the reader waits out
+    about one switch interval."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop:
+            self.count += 1
+
+    def __enter__(self) -> Busy:
+        self._thread.start()
+        while self.count == 0:
+            time.sleep(0.001)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop = True
+        self._thread.join()
+
+
+def _loop(fn: Callable[[], object], seconds: float) -> float:
+    """Seconds per call of ``fn``, called in a loop for about ``seconds`` (at least twice)."""
+    calls = 0
+    started = time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        elapsed = time.perf_counter() - started
+        if elapsed >= seconds and calls >= 2:
+            return elapsed / calls
+
+
+def beside_busy(fn: Callable[[], object], seconds: float) -> tuple[float, float, float]:
+    """``fn`` in a loop alone, then beside a :class:`Busy` thread: (seconds per call alone,
+    beside it, and the share of its idle counting rate the busy thread kept meanwhile)."""
+    fn()  # warm up
+    alone = _loop(fn, seconds)
+    with Busy() as busy:
+        start, t0 = busy.count, time.perf_counter()
+        time.sleep(min(seconds, 0.3))
+        idle = (busy.count - start) / (time.perf_counter() - t0)
+    with Busy() as busy:
+        start, t0 = busy.count, time.perf_counter()
+        beside = _loop(fn, seconds)
+        kept = (busy.count - start) / (time.perf_counter() - t0) / idle
+    return alone, beside, kept

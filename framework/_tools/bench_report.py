@@ -1,0 +1,294 @@
+"""The tables ``kvfabric bench`` prints, and issue 12's targets marked met or not.
+
+Four tables from one run's rows: data phases in GB/s per chunk size (systems side by side,
+the floors above them), lookups (time per call by keys per call, the path each took, the
+controller's CPU per lookup), reads beside a busy Python thread, and the targets: each
+measured ratio beside its goal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import IO
+
+from kvfabric._tools.bench_measure import (
+    CONTAINS,
+    CONTROLLER_CPU,
+    COPY,
+    GET,
+    PUT_FRESH,
+    PUT_WARM,
+    RE_PUT,
+    READS_ALONE,
+    READS_BUSY,
+    RTT,
+    STREAM,
+    BenchRow,
+)
+
+__all__ = ["print_report", "size_name"]
+
+_PEERS = ("redis", "mooncake", "infinistore")
+_KVFABRIC = ("kvfabric tcp", "kvfabric shm", "kvfabric ucx")
+_DATA_PHASES = (PUT_FRESH, PUT_WARM, GET, RE_PUT)
+Write = Callable[[str], object]
+
+
+def size_name(n: int) -> str:
+    """4 MiB, 256 KiB, 64 B."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            value = n / (1 << shift)
+            return f"{value:g} {unit}"
+    return f"{n} B"
+
+
+class _Rows:
+    def __init__(self, rows: Sequence[BenchRow]) -> None:
+        self.rows = list(rows)
+
+    def find(
+        self, system: str, phase: str, size: int | None = None, count: int | None = None
+    ) -> BenchRow | None:
+        for row in self.rows:
+            if (
+                row.system == system
+                and row.phase == phase
+                and (size is None or row.size == size)
+                and (count is None or row.count == count)
+            ):
+                return row
+        return None
+
+    def systems(self, candidates: Sequence[str]) -> list[str]:
+        present = {row.system for row in self.rows}
+        return [s for s in candidates if s in present]
+
+
+def print_report(
+    rows: Sequence[BenchRow],
+    *,
+    sizes: Sequence[int],
+    count: int,
+    repeat: int,
+    problems: dict[str, str],
+    notes: Sequence[str],
+    out: IO[str],
+) -> None:
+    """``problems``: per system that has no rows (or not all), why."""
+    found = _Rows(rows)
+    w = out.write
+    w(f"\nkvfabric bench: {count} chunks per batch, medians of {repeat}\n")
+    for note in notes:
+        w(f"  {note}\n")
+    systems = [*found.systems(_PEERS), *found.systems(_KVFABRIC)]
+    for size in sizes:
+        _data_table(found, systems, size, count, w)
+    _lookup_table(found, count, w)
+    _busy_table(found, w)
+    for system, problem in problems.items():
+        w(f"{system}: {problem}\n")
+    _targets(found, sizes, count, w)
+
+
+def _cell(text: str, width: int = 13) -> str:
+    return f"{text:>{width}}"
+
+
+def _data_table(found: _Rows, systems: list[str], size: int, count: int, w: Write) -> None:
+    memcpy = found.find("memcpy", COPY, size)
+    stream = found.find("raw socket", STREAM, size)
+    floors = ", ".join(
+        f"{name} {row.gbps:.2f} GB/s"
+        for name, row in (("memcpy", memcpy), ("raw socket", stream))
+        if row
+    )
+    w(f"\n{count} x {size_name(size)} (GB/s; floors: {floors or 'not measured'})\n")
+    w(f"{'phase':<12}" + "".join(_cell(s.replace("kvfabric ", "kvf ")) for s in systems) + "\n")
+    for phase in _DATA_PHASES:
+        cells = []
+        for system in systems:
+            row = found.find(system, phase, size)
+            cells.append(_cell(f"{row.gbps:.2f}" if row else "-"))
+        if any(c.strip() != "-" for c in cells):
+            w(f"{phase:<12}" + "".join(cells) + "\n")
+
+
+def _lookup_table(found: _Rows, count: int, w: Write) -> None:
+    rtt = found.find("raw socket", RTT)
+    zrtt = found.find("zeromq", RTT)
+    floors = ", ".join(
+        f"{name} {row.seconds * 1e6:.0f} us"
+        for name, row in (("raw socket", rtt), ("zeromq", zrtt))
+        if row
+    )
+    w(f"\nlookups (us per call by keys per call; small round trip: {floors or 'not measured'})\n")
+    counts = sorted({16, 64, 1024, count})
+    w(f"{'system':<14}" + "".join(f"{n:>9}" for n in counts))
+    w(f"{'1024/16':>9}{'ctl CPU':>9}  path\n")
+    lookup_systems = [*found.systems(_PEERS), *found.systems((*_KVFABRIC, "kvfabric rpc"))]
+    for system in lookup_systems:
+        by_keys = {n: found.find(system, CONTAINS, count=n) for n in counts}
+        if not any(by_keys.values()):
+            continue
+        cells = "".join(
+            f"{row.seconds * 1e6:>9.1f}" if row else f"{'-':>9}" for row in by_keys.values()
+        )
+        low, high = by_keys[16], by_keys[1024]
+        ratio = f"{high.seconds / low.seconds:>9.2f}" if low and high else f"{'-':>9}"
+        cpu = found.find(system, CONTROLLER_CPU)
+        cpu_cell = f"{cpu.seconds * 1e6:>9.1f}" if cpu else f"{'-':>9}"
+        path = next((row.note for row in by_keys.values() if row and row.note), "")
+        if cpu and cpu.note:
+            path = cpu.note
+        w(f"{system:<14}{cells}{ratio}{cpu_cell}  {path}\n")
+    w(f"  (ctl CPU: the controller's CPU us per lookup of {count} keys, its idle CPU taken off)\n")
+
+
+def _busy_table(found: _Rows, w: Write) -> None:
+    systems = [s for s in (*_PEERS, *_KVFABRIC) if found.find(s, READS_BUSY)]
+    if not systems:
+        return
+    w("\nreads (contains + get) in a loop, alone and beside a busy pure-Python thread\n")
+    w(f"{'system':<14}{'alone GB/s':>11}{'beside':>9}{'ratio':>8}{'busy kept':>10}\n")
+    for system in systems:
+        alone, busy = found.find(system, READS_ALONE), found.find(system, READS_BUSY)
+        if alone is None or busy is None:
+            continue
+        kept = f"{busy.kept:>10.2f}" if busy.kept is not None else f"{'-':>10}"
+        w(
+            f"{system:<14}{alone.gbps:>11.2f}{busy.gbps:>9.2f}"
+            f"{alone.seconds / busy.seconds:>8.2f}{kept}\n"
+        )
+
+
+def _targets(found: _Rows, sizes: Sequence[int], count: int, w: Write) -> None:
+    big, small = max(sizes), min(sizes)
+    inf = "infinistore"
+
+    def speed(a: BenchRow | None, b: BenchRow | None) -> float | None:
+        """How many times faster ``a`` is than ``b`` (throughput ratio)."""
+        return None if a is None or b is None else b.seconds / a.seconds
+
+    def time_ratio(a: BenchRow | None, b: BenchRow | None) -> float | None:
+        return None if a is None or b is None else a.seconds / b.seconds
+
+    batch = f"{count}x{size_name(big)}"
+    # (label, measured, goal, at least (else at most), unit)
+    checks: list[tuple[str, float | None, float, bool, str]] = [
+        (
+            f"put {batch} fresh, tcp / InfiniStore",
+            speed(found.find("kvfabric tcp", PUT_FRESH, big), found.find(inf, PUT_FRESH, big)),
+            1.0,
+            True,
+            "x",
+        ),
+        (
+            f"put {batch} fresh, shm / memcpy",
+            speed(found.find("kvfabric shm", PUT_FRESH, big), found.find("memcpy", COPY, big)),
+            0.6,
+            True,
+            "x",
+        ),
+    ]
+    if small != big:
+        checks.append(
+            (
+                f"put {count}x{size_name(small)} fresh, tcp / InfiniStore",
+                speed(
+                    found.find("kvfabric tcp", PUT_FRESH, small), found.find(inf, PUT_FRESH, small)
+                ),
+                1.0,
+                True,
+                "x",
+            )
+        )
+    checks.append(
+        (
+            f"contains {count}, tcp / InfiniStore (time)",
+            time_ratio(
+                found.find("kvfabric tcp", CONTAINS, count=count),
+                found.find(inf, CONTAINS, count=count),
+            ),
+            1.0,
+            False,
+            "x",
+        )
+    )
+    shm_contains = found.find("kvfabric shm", CONTAINS, count=count)
+    checks.append(
+        (
+            f"contains {count} over shm",
+            None if shm_contains is None else shm_contains.seconds * 1e6,
+            20.0,
+            False,
+            "us",
+        )
+    )
+    for system in found.systems(_KVFABRIC):
+        cpu = found.find(system, CONTROLLER_CPU)
+        if cpu is not None and cpu.note.startswith("one-sided"):
+            checks.append(
+                (
+                    f"{system[9:]} controller CPU per one-sided lookup",
+                    cpu.seconds * 1e6,
+                    0.0,
+                    False,
+                    "us",
+                )
+            )
+    peers_get = [r for r in (found.find(p, GET, big) for p in ("mooncake", inf, "redis")) if r]
+    best_peer = min(peers_get, key=lambda r: r.seconds) if peers_get else None
+    for system in found.systems(_KVFABRIC):
+        checks.append(
+            (
+                f"get {batch}, {system[9:]} / best peer"
+                + (f" ({best_peer.system})" if best_peer else ""),
+                speed(found.find(system, GET, big), best_peer),
+                1.0,
+                True,
+                "x",
+            )
+        )
+    checks.append(
+        (
+            f"get {batch}, shm / memcpy",
+            speed(found.find("kvfabric shm", GET, big), found.find("memcpy", COPY, big)),
+            0.8,
+            True,
+            "x",
+        )
+    )
+    for system in found.systems(_KVFABRIC):
+        checks.append(
+            (
+                f"reads beside busy / alone, {system[9:]}",
+                speed(found.find(system, READS_BUSY), found.find(system, READS_ALONE)),
+                0.8,
+                True,
+                "x",
+            )
+        )
+    for system in found.systems((*_KVFABRIC, "kvfabric rpc")):
+        checks.append(
+            (
+                f"contains 1024 / 16, {system[9:]}",
+                time_ratio(
+                    found.find(system, CONTAINS, count=1024), found.find(system, CONTAINS, count=16)
+                ),
+                3.0,
+                False,
+                "x",
+            )
+        )
+    w("\ntargets (issue 12):\n")
+    for label, value, goal, at_least, unit in checks:
+        sign = ">=" if at_least else "<="
+        if value is None:
+            w(f"  {label:<48} {'n/a':>8}   (goal {sign} {goal:g}{unit})\n")
+            continue
+        met = value >= goal if at_least else value <= goal
+        w(
+            f"  {label:<48} {value:>8.2f}{unit:<2} (goal {sign} {goal:g}{unit})  "
+            f"{'met' if met else 'NOT MET'}\n"
+        )

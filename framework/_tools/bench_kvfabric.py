@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import attrs
@@ -171,7 +172,7 @@ def transport_rows(name: str, plan: KvfabricPlan) -> list[BenchRow]:
                 row(
                     GET,
                     size,
-                    median_seconds(get, repeat, lambda keys=keys: store.batched_contains(keys)),
+                    median_seconds(get, repeat, partial(store.batched_contains, keys)),
                 )
             )
             if not all(
@@ -182,7 +183,7 @@ def transport_rows(name: str, plan: KvfabricPlan) -> list[BenchRow]:
                 row(
                     RE_PUT,
                     size,
-                    median_seconds(lambda s=size, k=keys: store.batched_put(k, values[s]), repeat),
+                    median_seconds(partial(store.batched_put, keys, values[size]), repeat),
                 )
             )
             if size == max(plan.sizes):
@@ -276,7 +277,7 @@ def _lookup_rows(
     for n in counts:
         keys = chain[:n]
         before = store.stats()
-        seconds = median_seconds(lambda keys=keys: store.batched_contains(keys), samples)
+        seconds = median_seconds(partial(store.batched_contains, keys), samples)
         path = _path(before, store.stats(), samples + 1)
         rows.append(
             BenchRow(system=system, phase=CONTAINS, size=0, count=n, seconds=seconds, note=path)

@@ -43,7 +43,7 @@ from kvfabric.transports.tcp_auth import (
     server_proof,
     unpack_greeting,
 )
-from kvfabric.transports.tcp_stream import Stream, TlsStream, Truncated, arm
+from kvfabric.transports.tcp_stream import Stream, TlsStream, Truncated
 from kvfabric.transports.tcp_wire import (
     ENTRY,
     HEADER,
@@ -131,7 +131,9 @@ class _Connection:
         # Header and table usually arrive together: one recv when they do. The header is
         # checked first because an error reply has no table (and the node then closes).
         while got < len(buf):
-            n = self.stream.recv_some(view[got:], deadline)
+            # The first receive waits for the node to answer; the rest take what is left.
+            receive = self.stream.recv_some if got else self.stream.recv_awaited
+            n = receive(view[got:], deadline)
             if n == 0:
                 raise Truncated("node closed the connection")
             got += n
@@ -161,8 +163,10 @@ def _handshake(
             raise _Refused("the node requires TLS: set tcp.tls=true (and tcp.tls_ca)")
         raise _Refused("the node does not offer TLS and tcp.tls=true: refusing a plain link")
     if tls is not None:
-        arm(sock, deadline)
-        stream = TlsStream(tls.wrap_socket(sock, server_hostname=host))
+        stream = TlsStream(
+            tls.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
+        )
+        stream.handshake(deadline)
     client_nonce = new_nonce()
     proof = client_proof(key, flags, server_nonce, client_nonce)
     stream.send_all([pack_header(Op.HELLO, 0, len(proof) * 2, 0), client_nonce, proof], deadline)

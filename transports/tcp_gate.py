@@ -334,12 +334,6 @@ class Gate:
         assert slot is not None
         self._counters.add("handshakes")
         stream = TlsStream(pending.sock) if self._tls is not None else Stream(pending.sock)
-        try:
-            pending.sock.setblocking(True)
-        except OSError:
-            self._admission.release(slot)
-            pending.sock.close()
-            return
         self._admission.start(slot, stream)
 
     def _refuse(self, pending: _Pending, code: Code) -> None:

@@ -28,7 +28,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import attrs
 
@@ -257,7 +257,7 @@ class TcpServer(TransportServer):
         while True:
             conn.idle_since = now = time.monotonic()
             try:
-                first = stream.recv_some(header, now + idle_timeout if idle_timeout else None)
+                first = stream.recv_awaited(header, now + idle_timeout if idle_timeout else None)
             except TimeoutError:
                 self._counters.add("idle_timeouts")
                 return
@@ -286,14 +286,15 @@ class TcpServer(TransportServer):
     def _serve_read(
         self, stream: Stream, rid: int, count: int, table: bytearray, deadline: float
     ) -> None:
+        head = pack_header(Op.READ, Code.OK, count, rid)
         if count <= _ONE_PASS_MAX:
             statuses, planned = self._regions.check_all(ENTRY.iter_unpack(table))
             views = [view for view in planned if view is not None]
             served, nbytes = len(views), sum(view.nbytes for view in views)
-            payload: Iterator[memoryview] = iter(views)
+            reply: Iterable[bytes | memoryview] = [head + statuses, *views]
         else:
             statuses, served, nbytes = self._statuses(table)
-            payload = self._views_again(table, statuses)
+            reply = _chain(head + statuses, self._views_again(table, statuses))
         # Counted before replying, so a client holding its reply sees the request counted.
         self._counters.update(
             requests=1,
@@ -301,8 +302,7 @@ class TcpServer(TransportServer):
             bytes_read=nbytes,
             refused_segments=count - served,
         )
-        head = pack_header(Op.READ, Code.OK, count, rid)
-        stream.send_all(_chain(head + statuses, payload), deadline)
+        stream.send_all(reply, deadline)
 
     def _statuses(self, table: bytearray) -> tuple[bytearray, int, int]:
         statuses = bytearray()

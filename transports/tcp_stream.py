@@ -1,4 +1,4 @@
-"""Blocking socket I/O for the ``tcp`` transport, every call bounded by a deadline.
+"""Socket I/O for the ``tcp`` transport, every call bounded by a deadline.
 
 Both sides move bytes through a :class:`Stream`: straight between the socket and the
 caller's buffers (``sendmsg`` gathers, ``recvmsg_into`` scatters, at most ``IOV_MAX``
@@ -7,24 +7,28 @@ beyond the kernel's own. A :class:`TlsStream` does the same over an ``ssl`` sock
 has neither call: it receives into each buffer in turn and coalesces small sends, so a
 64-byte record header does not become a TLS record of its own.
 
-Every method takes a deadline (``time.monotonic()``; None for none): each socket call is
-bounded by what is left of it, so a whole frame is, however slowly its bytes trickle in.
-The peer closing in the middle of a transfer raises :class:`Truncated`.
+The socket is non-blocking and a call waits in ``poll`` only when the kernel has nothing
+for it: bytes that already arrived, or a send that fits, cost one system call. (A Python
+socket with a timeout polls before every call, and setting the timeout is a call of its
+own.) Every method takes a deadline (``time.monotonic()``; None for none) that bounds each
+wait, so a whole frame is bounded however slowly its bytes trickle in. The peer closing in
+the middle of a transfer raises :class:`Truncated`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import ssl
 import time
-from collections.abc import Iterable, Iterator
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar, TypeVar
 
 from kvfabric.spi import byte_view
 
-__all__ = ["IOV_MAX", "Stream", "Target", "TlsStream", "Truncated", "arm", "wake"]
+__all__ = ["IOV_MAX", "Stream", "Target", "TlsStream", "Truncated", "wake"]
 
 try:
     IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
@@ -36,31 +40,24 @@ _GROW_CHUNK = 64 * 1024
 # TLS: sends smaller than this are copied together into one record.
 _COALESCE_BELOW = 16 * 1024
 _COALESCE_FLUSH = 256 * 1024
+_IN = select.POLLIN
+_OUT = select.POLLOUT
 
 # What a receive target is: a buffer to fill, or a count of bytes to read and drop.
 Target = memoryview | int
+A = TypeVar("A")
+T = TypeVar("T")
 
 
 class Truncated(ConnectionError):
     """The peer closed the connection in the middle of a transfer."""
 
 
-def arm(sock: socket.socket, deadline: float | None) -> None:
-    """Bound the next socket call by what is left of the deadline (None: block)."""
-    if deadline is None:
-        sock.settimeout(None)
-        return
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise TimeoutError("deadline passed")
-    sock.settimeout(remaining)
-
-
 def wake(sock: socket.socket) -> None:
-    """Wake a thread blocked on ``sock`` (it sees EOF), without closing the descriptor.
+    """Wake a thread waiting on ``sock`` (it sees EOF), without closing the descriptor.
 
     The base class's ``shutdown``: ``SSLSocket.shutdown`` would also drop the TLS state a
-    blocked reader is still using.
+    waiting reader is still using.
     """
     # OSError: already shut down, or never connected.
     with contextlib.suppress(OSError):
@@ -68,21 +65,59 @@ def wake(sock: socket.socket) -> None:
 
 
 class Stream:
-    """One connected socket in blocking mode; used by one thread at a time."""
+    """One connected socket, made non-blocking; used by one thread at a time."""
 
-    __slots__ = ("sock",)
+    __slots__ = ("_events", "_poll", "sock")
     tls: ClassVar[bool] = False
 
     def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
         self.sock = sock
+        self._poll = select.poll()
+        self._poll.register(sock.fileno(), _IN)
+        self._events = _IN
 
     def close(self) -> None:
         self.sock.close()
 
+    def _wait(self, events: int, deadline: float | None) -> None:
+        """Wait until the socket is ready for ``events``; TimeoutError at the deadline."""
+        if events != self._events:
+            self._poll.modify(self.sock.fileno(), events)
+            self._events = events
+        if deadline is None:
+            self._poll.poll()
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not self._poll.poll(remaining * 1000.0):
+            raise TimeoutError("deadline passed")
+
+    def _call(self, call: Callable[[A], T], arg: A, deadline: float | None) -> T:
+        """``call(arg)`` once the kernel can serve it: waits only when it would block."""
+        while True:
+            try:
+                return call(arg)
+            except BlockingIOError:
+                pass
+            self._wait(_IN, deadline)
+
+    def _send_call(self, call: Callable[[A], T], arg: A, deadline: float | None) -> T:
+        while True:
+            try:
+                return call(arg)
+            except BlockingIOError:
+                pass
+            self._wait(_OUT, deadline)
+
     def recv_some(self, buf: memoryview, deadline: float | None) -> int:
         """One receive into ``buf``; 0 when the peer closed."""
-        arm(self.sock, deadline)
-        return self.sock.recv_into(buf)
+        return self._call(self.sock.recv_into, buf, deadline)
+
+    def recv_awaited(self, buf: memoryview, deadline: float | None) -> int:
+        """:meth:`recv_some` where the peer is expected to be still working (the next
+        request, a reply): waits first, rather than try a receive that would fail."""
+        self._wait(_IN, deadline)
+        return self.recv_some(buf, deadline)
 
     def recv_exact(self, buf: memoryview, deadline: float | None) -> None:
         got = 0
@@ -93,11 +128,16 @@ class Stream:
             got += n
 
     def recv_growing(self, size: int, deadline: float | None) -> bytearray:
-        """``size`` bytes the peer announced, held only as they arrive."""
+        """``size`` bytes the peer announced, held only as they arrive (a buffer of at most
+        ``_GROW_CHUNK`` may be made up front)."""
+        if size <= _GROW_CHUNK:
+            small = bytearray(size)
+            self.recv_exact(memoryview(small), deadline)
+            return small
         data = bytearray()
         while len(data) < size:
-            arm(self.sock, deadline)
-            chunk = self.sock.recv(min(size - len(data), _GROW_CHUNK))
+            want = min(size - len(data), _GROW_CHUNK)
+            chunk = self._call(self.sock.recv, want, deadline)
             if not chunk:
                 raise Truncated(f"connection closed after {len(data)} of {size} bytes")
             data += chunk
@@ -122,8 +162,7 @@ class Stream:
     def _recv_views(self, pending: list[memoryview], deadline: float | None) -> None:
         """Fill every buffer of ``pending`` (at most ``IOV_MAX``) and empty the list."""
         while pending:
-            arm(self.sock, deadline)
-            n = self.sock.recvmsg_into(pending)[0]
+            n = self._call(self.sock.recvmsg_into, pending, deadline)[0]
             if n == 0:
                 raise Truncated("connection closed in the middle of a payload")
             _advance(pending, n)
@@ -149,28 +188,54 @@ class Stream:
             if not pending:
                 return
             while pending:
-                arm(self.sock, deadline)
-                _advance(pending, self.sock.sendmsg(pending))
+                _advance(pending, self._send_call(self.sock.sendmsg, pending, deadline))
 
 
 class TlsStream(Stream):
-    """:class:`Stream` over an ``ssl.SSLSocket`` (no ``sendmsg``/``recvmsg_into`` there)."""
+    """:class:`Stream` over an ``ssl.SSLSocket`` (no ``sendmsg``/``recvmsg_into`` there).
+
+    TLS may need to read while sending or write while receiving (handshakes, key updates):
+    each call waits for whichever its ``SSLWant*`` error names.
+    """
 
     __slots__ = ()
     tls = True
 
-    def recv_some(self, buf: memoryview, deadline: float | None) -> int:
-        arm(self.sock, deadline)
-        try:
-            return self.sock.recv_into(buf)
-        except (ssl.SSLZeroReturnError, ssl.SSLEOFError) as exc:
-            raise Truncated("the peer closed the TLS connection") from exc
+    def _call(self, call: Callable[[A], T], arg: A, deadline: float | None) -> T:
+        while True:
+            try:
+                return call(arg)
+            except (BlockingIOError, ssl.SSLWantReadError):
+                self._wait(_IN, deadline)
+            except ssl.SSLWantWriteError:
+                self._wait(_OUT, deadline)
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError) as exc:
+                raise Truncated("the peer closed the TLS connection") from exc
 
-    def recv_growing(self, size: int, deadline: float | None) -> bytearray:
-        try:
-            return super().recv_growing(size, deadline)
-        except (ssl.SSLZeroReturnError, ssl.SSLEOFError) as exc:
-            raise Truncated("the peer closed the TLS connection") from exc
+    def _send_call(self, call: Callable[[A], T], arg: A, deadline: float | None) -> T:
+        while True:
+            try:
+                return call(arg)
+            except (BlockingIOError, ssl.SSLWantWriteError):
+                self._wait(_OUT, deadline)
+            except ssl.SSLWantReadError:
+                self._wait(_IN, deadline)
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError) as exc:
+                raise Truncated("the peer closed the TLS connection") from exc
+
+    def recv_awaited(self, buf: memoryview, deadline: float | None) -> int:
+        # Bytes TLS already decrypted are no event for poll: take those first.
+        sock = self.sock
+        assert isinstance(sock, ssl.SSLSocket)
+        if sock.pending():
+            return self.recv_some(buf, deadline)
+        return super().recv_awaited(buf, deadline)
+
+    def handshake(self, deadline: float | None) -> None:
+        """Run the TLS handshake of a socket wrapped with ``do_handshake_on_connect=False``."""
+        sock = self.sock
+        assert isinstance(sock, ssl.SSLSocket)
+        self._call(_handshake_step, sock, deadline)
 
     def _recv_views(self, pending: list[memoryview], deadline: float | None) -> None:
         for view in pending:
@@ -178,14 +243,16 @@ class TlsStream(Stream):
         pending.clear()
 
     def send_all(self, buffers: Iterable[Any], deadline: float | None) -> None:
-        try:
-            for view in _coalesced(buffers):
-                sent = 0
-                while sent < view.nbytes:
-                    arm(self.sock, deadline)
-                    sent += self.sock.send(view[sent:])
-        except (ssl.SSLZeroReturnError, ssl.SSLEOFError) as exc:
-            raise Truncated("the peer closed the TLS connection") from exc
+        for view in _coalesced(buffers):
+            sent = 0
+            while sent < view.nbytes:
+                # After an SSLWant* error, the same bytes are offered again (as OpenSSL
+                # requires): ``sent`` only moves on a completed write.
+                sent += self._send_call(self.sock.send, view[sent:], deadline)
+
+
+def _handshake_step(sock: ssl.SSLSocket) -> None:
+    sock.do_handshake()
 
 
 def _coalesced(buffers: Iterable[Any]) -> Iterator[memoryview]:

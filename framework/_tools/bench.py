@@ -24,7 +24,7 @@ from typing import IO
 
 from kvfabric._tools import bench_kvfabric as kv
 from kvfabric._tools.bench_floors import floor_rows, round_trip_rows
-from kvfabric._tools.bench_measure import BenchRow
+from kvfabric._tools.bench_measure import CONTAINS, BenchRow
 from kvfabric._tools.bench_peers import PEERS, peers_python, run_peer
 from kvfabric._tools.bench_redis import check_redis, redis_rows
 from kvfabric._tools.bench_report import print_report, size_name
@@ -121,7 +121,10 @@ def run_bench(
             if result.problem:
                 problems[name] = result.problem
             elif result.rows:
-                notes += sorted({f"{name}: {r.note}" for r in result.rows if r.note})
+                # Lookup notes name the call, in the lookups table; these say how it ran.
+                notes += sorted(
+                    {f"{name}: {r.note}" for r in result.rows if r.note and r.phase != CONTAINS}
+                )
     print_report(
         rows,
         sizes=sizes,

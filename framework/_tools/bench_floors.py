@@ -25,6 +25,9 @@ __all__ = ["floor_rows", "round_trip_rows"]
 
 # Round trips are short and noisy: at least this many samples.
 _RTT_SAMPLES = 50
+# Floors are cheap, and every ratio divides by one: at least this many samples, so one
+# preemption on a busy machine does not move them.
+_FLOOR_SAMPLES = 9
 
 _FLOOR_SERVER = textwrap.dedent(
     """
@@ -94,7 +97,7 @@ def floor_rows(count: int, size: int, repeat: int) -> list[BenchRow]:
         for src, dst in zip(sources, dests, strict=True):
             np.copyto(dst, src)
 
-    seconds = median_seconds(memcpy, repeat)
+    seconds = median_seconds(memcpy, max(repeat, _FLOOR_SAMPLES))
     rows = [BenchRow(system="memcpy", phase=COPY, size=size, count=count, seconds=seconds)]
     target = np.ones(size * count, dtype=np.uint8).data
     with _floor_server(size) as conn:
@@ -105,7 +108,7 @@ def floor_rows(count: int, size: int, repeat: int) -> list[BenchRow]:
             while got < len(target):
                 got += conn.recv_into(target[got:])
 
-        seconds = median_seconds(stream, repeat)
+        seconds = median_seconds(stream, max(repeat, _FLOOR_SAMPLES))
     rows.append(
         BenchRow(system="raw socket", phase=STREAM, size=size, count=count, seconds=seconds)
     )

@@ -57,6 +57,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1")
     transports = tuple(t.strip() for t in args.transports.split(",") if t.strip())
+    unknown = sorted(set(transports) - {"tcp", "shm", "ucx"})
+    if unknown:
+        raise ConfigError(f"--transports: unknown {', '.join(unknown)}; choose from tcp, shm, ucx")
     run_bench(
         sizes=tuple(parse_size(s) for s in args.sizes.split(",") if s),
         count=args.count,

@@ -18,6 +18,7 @@ timings belong in a table, not in a test.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from typing import IO
@@ -73,6 +74,7 @@ def run_bench(
             notes.append(f"capacity raised to {size_name(needed)}: the fresh puts need that")
         capacity = needed
     notes.append(f"servers hold {size_name(capacity)} each; busy-thread loops {busy_seconds:g} s")
+    load_at_start = os.getloadavg()[0]
     problems: dict[str, str] = {}
     rows: list[BenchRow] = []
     _progress("floors")
@@ -125,6 +127,11 @@ def run_bench(
                 notes += sorted(
                     {f"{name}: {r.note}" for r in result.rows if r.note and r.phase != CONTAINS}
                 )
+    # Other work on the machine moves every row: say how busy it was.
+    notes.append(
+        f"{os.cpu_count()} CPUs; load average {load_at_start:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end"
+    )
     print_report(
         rows,
         sizes=sizes,

@@ -11,6 +11,8 @@ hits) from this process, three ways:
 * ``tcp`` — the image read through the controller's tcp server (one data-plane round trip);
 * ``rpc`` — ``?lookup_image=0``: the control RPC every lookup used to be.
 
+and again back to back (one row's lookups repeated: caches warm, the best case).
+
 Beside them, the floor: a raw Python socket request/reply over 127.0.0.1 with a child process
 (64 bytes each way: the round trip any remote lookup pays), and a reply of the bytes a tcp
 lookup of N keys lands (N x 512). Samples are taken round-robin, so load from elsewhere on
@@ -183,6 +185,17 @@ def main() -> int:
                 f"  shm one-sided / rpc at 64 keys: {rows['shm'][1] / rows['rpc'][1]:.3f}; "
                 f"tcp one-sided / rpc: {rows['tcp'][1] / rows['rpc'][1]:.3f}"
             )
+            print("\nback to back (the same lookup repeated, caches warm), median us")
+            for name, store in stores.items():
+                cells = []
+                for n in _SIZES:
+                    batch = keys[:n]
+                    (median,) = _medians(
+                        [lambda s=store, b=batch: s.batched_contains(b)], args.repeat
+                    )
+                    cells.append(f"{n} keys {median * 1e6:.1f}")
+                print(f"  {name:>4}: " + ", ".join(cells))
+            counts = {name: store.stats() for name, store in stores.items()}
             print("\ncounted (this run, every lookup above)")
             for name, c in counts.items():
                 print(

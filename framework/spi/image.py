@@ -181,7 +181,7 @@ class ImageGeometry:
     @classmethod
     def fitting(cls, image_id: int, size: int, window: int = IMAGE_WINDOW) -> ImageGeometry:
         """The most buckets (a power of two, at least 2 ** 10) whose bytes fit in ``size``,
-        and a ring of a quarter as many entries (1.5x ``size`` in all, with the ring)."""
+        and a ring of a quarter as many entries (96 bytes each: 0.375x ``size`` more)."""
         log2 = 10
         while (IMAGE_BUCKET_SIZE << (log2 + 1)) <= size:
             log2 += 1

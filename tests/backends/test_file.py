@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,18 +23,23 @@ def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("file-backend")
 
 
+def _file_store_url(name: str, path: Path, transport: str) -> Iterator[str]:
+    """A store on files of its own; the files go when the test ends (each test would
+    otherwise leave 512 MiB of allocated disk behind)."""
+    yield f"embedded://{name}?backend=file&path={path}&capacity=512MiB&transport={transport}"
+    shutil.rmtree(path, ignore_errors=True)
+
+
 class TestEmbeddedStoreOnFilesOverShm(StoreConformance):
     @pytest.fixture
-    def store_url(self, unique_name: str, data_root: Path) -> str:
-        path = data_root / unique_name
-        return f"embedded://{unique_name}?backend=file&path={path}&capacity=512MiB&transport=shm"
+    def store_url(self, unique_name: str, data_root: Path) -> Iterator[str]:
+        yield from _file_store_url(unique_name, data_root / unique_name, "shm")
 
 
 class TestEmbeddedStoreOnFilesOverTcp(StoreConformance):
     @pytest.fixture
-    def store_url(self, unique_name: str, data_root: Path) -> str:
-        path = data_root / unique_name
-        return f"embedded://{unique_name}?backend=file&path={path}&capacity=512MiB&transport=tcp"
+    def store_url(self, unique_name: str, data_root: Path) -> Iterator[str]:
+        yield from _file_store_url(unique_name, data_root / unique_name, "tcp")
 
 
 @pytest.fixture(scope="module")

@@ -88,7 +88,7 @@ class DramBackend(Backend):
                 f" ({exc}); lower --capacity, or set dram.prefault=false to commit memory as "
                 "it fills"
             ) from exc
-        log.info(
+        log.debug(
             "kvfabric dram backend: %s prefaulted in %.2f s",
             format_size(sum(r.size for r in self._regions)),
             self.prefault_seconds,

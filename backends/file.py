@@ -121,7 +121,7 @@ class FileBackend(Backend):
                 remaining -= size
             if prefault:
                 self.prefault_seconds = prefault_all([r.view for r in self._regions])
-                log.info(
+                log.debug(
                     "kvfabric file backend: %s at %s prefaulted in %.2f s",
                     format_size(sum(r.size for r in self._regions)),
                     self.directory,

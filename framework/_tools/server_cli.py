@@ -218,9 +218,11 @@ def _describe(node: DataNode) -> str:
     capacity = sum(r.size for r in regions)
     parts = [_endpoint_words(name, server.address) for name, server in node.servers.items()]
     region_word = "region" if len(regions) == 1 else "regions"
+    prefault_ms = node.stats().get("prefault_ms", 0)
+    prepared = f", memory prepared in {prefault_ms / 1000:.2f}s" if prefault_ms else ""
     return (
         f"{format_size(capacity)} ({capacity} bytes, {node.backend.name}, {len(regions)} "
-        f"{region_word}) over {', '.join(parts)}"
+        f"{region_word}{prepared}) over {', '.join(parts)}"
     )
 
 

@@ -126,7 +126,7 @@ def test_host_port_without_tcp_scheme_is_accepted_and_ready_lines_name_every_end
         with _running(
             "node", "--controller", f"kvfabric://127.0.0.1:{port}", "--capacity", "64MiB"
         ) as (_, node_line):
-            assert "serving 64.0 MiB (67108864 bytes, dram, 1 region)" in node_line
+            assert "serving 64.0 MiB (67108864 bytes, dram, 1 region, memory prepared in " in node_line
             assert "tcp@127.0.0.1:" in node_line
             assert "shm" in node_line
             assert f"controller at tcp://127.0.0.1:{port}" in node_line
@@ -138,7 +138,7 @@ def test_serve_names_capacity_data_and_metrics_endpoints() -> None:
         "serve", "--listen", f"127.0.0.1:{port}", "--capacity", "32MiB", "--metrics-port", "0"
     ) as (_, line):
         assert f"kvfabric serving on tcp://127.0.0.1:{port}" in line
-        assert "32.0 MiB (33554432 bytes, dram, 1 region)" in line
+        assert "32.0 MiB (33554432 bytes, dram, 1 region, memory prepared in " in line
         assert "tcp@127.0.0.1:" in line
         assert "metrics at http://127.0.0.1:" in line
         assert f"connect with kvfabric://127.0.0.1:{port}" in line

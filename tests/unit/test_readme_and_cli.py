@@ -107,7 +107,15 @@ def test_every_kvfabric_option_the_readme_names_exists() -> None:
             build_parser().parse_args([command, "--help"])
         helps.append(out.getvalue())
     known = set(re.findall(r"--[a-z][a-z-]+", "\n".join(helps)))
-    # Options of other programs the README quotes (vLLM, tox, mypy).
-    others = {"--kv-transfer-config", "--prefix-caching-hash-algo", "--skip-env", "--strict"}
+    # Options of other programs the README quotes (vLLM, tox, mypy, pip, unshare).
+    others = {
+        "--kv-transfer-config",
+        "--prefix-caching-hash-algo",
+        "--skip-env",
+        "--strict",
+        "--no-deps",
+        "--net",
+        "--map-root-user",
+    }
     named = set(re.findall(r"--[a-z][a-z-]+", (ROOT / "README.md").read_text()))
     assert named - others - known == set()

@@ -15,9 +15,14 @@ rkey, bounds, writable destination) are the only ones.
 
 Threads: the client has one worker and one lock; every UCX call is made under the lock,
 waits for completion are not, so batches for several nodes are in flight together and
-whichever caller progresses completes them all. cffi drops the GIL during each call.
-Native code is loaded lazily (``kvfabric.transports._ucp``): this module imports without
-UCX, and selecting the transport without it gives the install hint.
+whichever caller progresses completes them all. The GIL: cffi drops it during each call,
+and each call taken back beside a busy Python thread can wait out the switch interval
+(5 ms), so a batch's posts, progress and completion checks run in kvfabric's native loops
+(``kvfabric.spi.ucp_post`` keeps the GIL, ``ucp_wait`` releases it once for the whole wait
+and takes the CRCs of the batch's records in the same release), with libucp's functions
+passed as addresses, and the lock is a ``kvfabric.spi.Mutex`` those loops take without the
+GIL. Native code is loaded lazily (``kvfabric.transports._ucp``): this module imports
+without UCX, and selecting the transport without it gives the install hint.
 """
 
 from __future__ import annotations
@@ -28,16 +33,17 @@ import os
 import select
 import struct
 import threading
-import time
 from typing import Any
 
 from kvfabric.errors import PluginUnavailableError, TransportError, TransportTimeoutError
 from kvfabric.spi import (
+    GIL_RELEASE_MIN,
     Batch,
     Capabilities,
     Counters,
     ExceptionMapping,
     MemoryKind,
+    Mutex,
     NodeEndpoint,
     PeerClient,
     Region,
@@ -51,6 +57,8 @@ from kvfabric.spi import (
     byte_view,
     hookimpl,
     map_exceptions,
+    ucp_post,
+    ucp_wait,
 )
 from kvfabric.transports import _ucp
 
@@ -238,12 +246,13 @@ class _Peer:
 
 
 class _Requests:
-    """Requests one call posted, and the buffers they use (kept alive until they complete)."""
+    """Requests one call posted (addresses), and the buffers they use (kept alive until they
+    complete)."""
 
     __slots__ = ("keep", "pending")
 
     def __init__(self) -> None:
-        self.pending: list[Any] = []
+        self.pending: list[int] = []
         self.keep: list[Any] = []
 
 
@@ -259,8 +268,24 @@ class _UcxClient(PeerClient[_Peer]):
         # Keys of endpoints closed under running requests: destroyed once nothing is in flight.
         self._retired: list[_ucp.RemoteKey] = []
         self._in_flight = 0
-        # Every UCX call on the worker is made under this lock (the worker is SERIALIZED).
-        self._lock = threading.Lock()
+        # Every UCX call on the worker is made under this lock (the worker is SERIALIZED);
+        # the native wait takes it between progress rounds without the GIL.
+        self._lock = Mutex()
+        ffi, lib = self._b.ffi, self._b.lib
+        self._get_fn, self._put_fn, self._flush_fn = (
+            _address(ffi, ffi.addressof(lib, name))
+            for name in ("ucp_get_nbx", "ucp_put_nbx", "ucp_ep_flush_nbx")
+        )
+        self._wait_fns = tuple(
+            _address(ffi, ffi.addressof(lib, name))
+            for name in (
+                "ucp_worker_progress",
+                "ucp_request_check_status",
+                "ucp_request_free",
+                "ucp_worker_arm",
+            )
+        )
+        self._param = _address(ffi, self._b.host_param)
         with map_exceptions(_UCX_ERRORS, where="ucx: cannot start a client worker"):
             self._context = _ucp.Context(_context_config(), name="kvfabric-client", shared=False)
             try:
@@ -270,8 +295,6 @@ class _UcxClient(PeerClient[_Peer]):
             except BaseException:
                 self._context.close()
                 raise
-        # A poll object serves one thread at a time: each waiting thread gets its own.
-        self._pollers = threading.local()
 
     # -- nodes ------------------------------------------------------------------------
 
@@ -388,12 +411,8 @@ class _UcxClient(PeerClient[_Peer]):
                 self._in_flight -= 1
                 raise
         try:
-            if put and batch.crc_spans is not None:
-                # The sources' CRCs, in one native call, while posted puts are in flight.
-                # The buffers are only read, as the puts read them.
-                batch.crcs = batch.checksum()
             if failure == _ucp.OK:
-                failure = self._wait(requests, batch.deadline)
+                failure = self._wait(requests, batch, put=put)
         finally:
             with self._lock:
                 if requests.pending or failure != _ucp.OK:
@@ -413,98 +432,58 @@ class _UcxClient(PeerClient[_Peer]):
     def _post(
         self, ep: _ucp.Endpoint, peer: _Peer, batch: Batch, requests: _Requests, *, put: bool
     ) -> int:
-        """Post every segment (lock held); returns the first failure, or OK.
+        """Post every segment, then after puts a flush (lock held); returns the first failure,
+        or OK. One native call, which keeps the GIL.
 
         UCX checks no remote address against mapped memory (over tcp a bad one crashes the
         node; over CMA it reads whatever is there): the batch was planned, so every segment
         lies inside a region the node registered.
         """
-        ffi, lib, param = self._b.ffi, self._b.lib, self._b.host_param
-        post = lib.ucp_put_nbx if put else lib.ucp_get_nbx
-        handle = ep.handle
+        ffi = self._b.ffi
         regions = peer.regions
+        buffers = []
+        remote = []
         for seg in batch.segments:
-            remote = regions[seg.region]
-            assert remote.rkey is not None
-            local = ffi.from_buffer(seg.buffer, require_writable=not put)
-            request = post(
-                handle,
-                local,
-                seg.buffer.nbytes,
-                remote.base + seg.offset,
-                remote.rkey.handle,
-                param,
-            )
-            if request != ffi.NULL:
-                status = _ucp.ptr_status(ffi, request)
-                if status != _ucp.INPROGRESS:
-                    return status
-                requests.pending.append(request)
-                requests.keep.append(local)
-        if put:
-            # A completed put only means our buffer may be reused; the flush completes when
-            # every put has landed in the node's memory, so a publish after it is safe.
-            request = ep.flush()
-            if request != ffi.NULL:
-                status = _ucp.ptr_status(ffi, request)
-                if status != _ucp.INPROGRESS:
-                    return status
-                requests.pending.append(request)
-        return _ucp.OK
-
-    def _wait(self, requests: _Requests, deadline: float) -> int:
-        """Progress until the requests complete, fails or the deadline passes (GIL-free waits)."""
-        lib = self._b.lib
-        progress, check, free = (
-            lib.ucp_worker_progress,
-            lib.ucp_request_check_status,
-            lib.ucp_request_free,
+            region = regions[seg.region]
+            assert region.rkey is not None
+            buffers.append(seg.buffer)
+            remote.append((region.base + seg.offset, _address(ffi, region.rkey.handle)))
+        requests.keep.extend(buffers)
+        failure, requests.pending = ucp_post(
+            self._put_fn if put else self._get_fn,
+            self._flush_fn,
+            _address(ffi, ep.handle),
+            self._param,
+            buffers,
+            remote,
+            put=put,
         )
-        worker = self._worker
-        idle = 0
-        while True:
-            with self._lock:
-                # Drain first, then scan: with CMA each progress call copies one segment, so
-                # scanning after every call would cost O(n^2) for a large requests.
-                moved = 0
-                for _ in range(_DRAIN_MAX):
-                    done = progress(worker.handle)
-                    if not done:
-                        break
-                    moved += done
-                still = []
-                failure = _ucp.OK
-                for request in requests.pending:
-                    status = check(request)
-                    if status == _ucp.INPROGRESS:
-                        still.append(request)
-                        continue
-                    free(request)
-                    if status != _ucp.OK and failure == _ucp.OK:
-                        failure = status
-                completed = len(still) != len(requests.pending)
-                requests.pending = still
-                if failure != _ucp.OK:
-                    return int(failure)
-                if not still:
-                    requests.keep.clear()
-                    return _ucp.OK
-                if time.monotonic() > deadline:
-                    return _ucp.ERR_TIMED_OUT
-                idle = 0 if moved or completed else idle + 1
-                armed = idle >= _CLIENT_SPINS and worker.arm()
-            if armed:
-                # UCX signals the fd when a reply arrives (tcp, RDMA completions with
-                # wakeup); CMA copies happen inside progress, so arm() refuses while any are
-                # queued and this never sleeps on one.
-                self._poller().poll(_CLIENT_IDLE_MS)
+        return failure
 
-    def _poller(self) -> select.poll:
-        poller: select.poll | None = getattr(self._pollers, "poller", None)
-        if poller is None:
-            poller = self._pollers.poller = select.poll()
-            poller.register(self._efd, select.POLLIN)
-        return poller
+    def _wait(self, requests: _Requests, batch: Batch, *, put: bool) -> int:
+        """Progress until the requests complete, one fails or the deadline passes; set the
+        batch's CRCs when it has spans (puts: of the sources, while they move). One native
+        call, one release of the GIL."""
+        spans = batch.crc_spans
+        failure, requests.pending, crcs = ucp_wait(
+            self._wait_fns,
+            _address(self._b.ffi, self._worker.handle),
+            self._efd,
+            requests.pending,
+            self._lock,
+            batch.deadline,
+            spins=_CLIENT_SPINS,
+            idle_ms=_CLIENT_IDLE_MS,
+            crc_buffers=None if spans is None else [seg.buffer for seg in batch.segments],
+            crc_spans=spans,
+            crc_first=put,
+            try_first=sum(seg.buffer.nbytes for seg in batch.segments) < GIL_RELEASE_MIN,
+        )
+        if failure == _ucp.OK:
+            if spans is not None:
+                batch.crcs = crcs
+            requests.keep.clear()
+        return failure
 
     def _abandon(self, peer: _Peer, ep: _ucp.Endpoint, requests: _Requests) -> None:
         """After a timeout or failure: cancel what is left and drop the endpoint (lock held).
@@ -514,16 +493,18 @@ class _UcxClient(PeerClient[_Peer]):
         """
         if peer.ep is ep:
             self._shut(peer)
-        lib = self._b.lib
+        ffi, lib = self._b.ffi, self._b.lib
+        pending = [ffi.cast("void *", r) for r in requests.pending]
         for _ in range(_CANCEL_ROUNDS):
-            if not requests.pending:
+            if not pending:
                 break
             lib.ucp_worker_progress(self._worker.handle)
-            requests.pending = [r for r in requests.pending if _still_running(lib, r)]
-        for request in requests.pending:
+            pending = [r for r in pending if _still_running(lib, r)]
+        for request in pending:
             # Released by UCX when it completes; its buffer must outlive it, so keep those.
             log.warning("kvfabric ucx: a request to node %d did not cancel", peer.node)
             lib.ucp_request_free(request)
+        requests.pending = [_address(ffi, r) for r in pending]
         if requests.pending:
             _leaked_buffers.extend(requests.keep)
         requests.pending = []
@@ -533,6 +514,11 @@ class _UcxClient(PeerClient[_Peer]):
 # Buffers of requests UCX never cancelled; freeing them could let a late transfer write
 # into reused memory, so they live as long as the process.
 _leaked_buffers: list[Any] = []
+
+
+def _address(ffi: Any, pointer: Any) -> int:
+    """A cffi pointer as the integer address kvfabric's native loops take."""
+    return int(ffi.cast("uintptr_t", pointer))
 
 
 def _still_running(lib: Any, request: Any) -> bool:

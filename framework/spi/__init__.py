@@ -50,6 +50,7 @@ from kvfabric.spi.index import (
 from kvfabric.spi.native import (
     GIL_RELEASE_MIN,
     IOV_MAX,
+    Mutex,
     PeerClosed,
     copy_many,
     crc32c_many,
@@ -58,6 +59,8 @@ from kvfabric.spi.native import (
     recv_into_all,
     request_reply,
     send_all,
+    ucp_post,
+    ucp_wait,
 )
 from kvfabric.spi.options import (
     OptionSpec,
@@ -138,6 +141,7 @@ __all__ = [
     "IndexPlugin",
     "InstalledPlugin",
     "MemoryKind",
+    "Mutex",
     "NodeEndpoint",
     "NodeInfo",
     "OptionSpec",
@@ -195,6 +199,8 @@ __all__ = [
     "scan_records",
     "segment_status",
     "send_all",
+    "ucp_post",
+    "ucp_wait",
     "validate_record",
     "writable_view",
 ]

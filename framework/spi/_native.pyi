@@ -41,3 +41,34 @@ def request_reply(
     crc_spans: Sequence[tuple[int, int]] | None = None,
 ) -> list[int]: ...
 def gil_reacquisitions() -> int: ...
+
+class Mutex:
+    def acquire(self) -> bool: ...
+    def release(self) -> None: ...
+    def locked(self) -> bool: ...
+    def __enter__(self) -> bool: ...
+    def __exit__(self, *exc: object) -> None: ...
+
+def ucp_post(
+    rma: int,
+    flush: int,
+    ep: int,
+    param: int,
+    buffers: Sequence[ReadableBuffer],
+    remote: Sequence[tuple[int, int]],
+    put: bool,
+) -> tuple[int, list[int]]: ...
+def ucp_wait(
+    fns: Sequence[int],
+    worker: int,
+    efd: int,
+    requests: Sequence[int],
+    mutex: Mutex,
+    deadline: float | None,
+    spins: int,
+    idle_ms: int,
+    crc_buffers: Sequence[ReadableBuffer] | None = None,
+    crc_spans: Sequence[tuple[int, int]] | None = None,
+    crc_first: bool = False,
+    try_first: bool = False,
+) -> tuple[int, list[int], list[int]]: ...

@@ -51,6 +51,7 @@ __all__ = [
     "GIL_RELEASE_MIN",
     "HARDWARE_CRC32C",
     "IOV_MAX",
+    "Mutex",
     "PeerClosed",
     "copy_many",
     "crc32c",
@@ -61,6 +62,8 @@ __all__ = [
     "recv_into_all",
     "request_reply",
     "send_all",
+    "ucp_post",
+    "ucp_wait",
 ]
 
 GIL_RELEASE_MIN: int = _native.GIL_RELEASE_MIN
@@ -75,6 +78,12 @@ PeerClosed = _native.PeerClosed
 
 Its ``received`` attribute is how many bytes this call received before the end.
 """
+
+Mutex = _native.Mutex
+"""A mutex that Python code takes as a context manager (releasing the GIL only when it has
+to wait) and that :func:`ucp_wait` takes and gives back without the GIL, between its
+progress rounds. (A ``threading.Lock`` cannot be taken outside the interpreter.) It does
+not know its owner: only the holder may release it."""
 
 # A span is a (start, stop) range of buffer indices whose bytes make one CRC32C.
 Spans = Sequence[tuple[int, int]]
@@ -206,3 +215,73 @@ def gil_reacquisitions() -> int:
     socket wait.
     """
     return _native.gil_reacquisitions()
+
+
+def ucp_post(
+    rma: int,
+    flush: int,
+    ep: int,
+    param: int,
+    buffers: Sequence[ReadableBuffer],
+    remote: Sequence[tuple[int, int]],
+    *,
+    put: bool,
+) -> tuple[int, list[int]]:
+    """Post one libucp get or put per buffer (and, after puts, a flush of the endpoint).
+
+    For transports over libucp, loaded by the transport: ``rma`` is the address of
+    ``ucp_get_nbx`` (``put=False``: buffers are written) or ``ucp_put_nbx``, ``flush`` of
+    ``ucp_ep_flush_nbx``; ``ep`` and ``param`` (a ``ucp_request_param_t``) are addresses;
+    ``remote`` is one ``(remote address, ucp_rkey_h address)`` per buffer. Keeps the GIL
+    (posting does not wait). Returns the first failing status (0: all posted) and the
+    requests in flight, as addresses, which the caller completes (:func:`ucp_wait`) or
+    cancels; the buffers must outlive them.
+    """
+    return _native.ucp_post(rma, flush, ep, param, buffers, remote, put)
+
+
+def ucp_wait(
+    fns: Sequence[int],
+    worker: int,
+    efd: int,
+    requests: Sequence[int],
+    mutex: Mutex,
+    deadline: float | None,
+    *,
+    spins: int,
+    idle_ms: int,
+    crc_buffers: Sequence[ReadableBuffer] | None = None,
+    crc_spans: Spans | None = None,
+    crc_first: bool = False,
+    try_first: bool = False,
+) -> tuple[int, list[int], list[int]]:
+    """Progress a libucp worker until ``requests`` complete, one fails or ``deadline`` passes.
+
+    ``fns``: the addresses of ``ucp_worker_progress``, ``ucp_request_check_status``,
+    ``ucp_request_free`` and ``ucp_worker_arm``. Each round takes ``mutex`` (every call on a
+    SERIALIZED worker must be made under it), drains progress, checks and frees the
+    completed requests, and gives it back; after ``spins`` idle rounds it arms the worker and
+    sleeps on ``efd`` for at most ``idle_ms``. The GIL is released once for the whole wait.
+    ``crc_spans`` over ``crc_buffers`` (as :func:`copy_many`): their CRC32Cs, taken after
+    the requests complete (a read: of what landed), or before the first round with
+    ``crc_first`` (a put: of the sources, while posted puts move). Returns the status (0,
+    the first failure, or ``ERR_TIMED_OUT``), the requests still in flight (to cancel) and
+    the CRCs (``[]`` unless it succeeded). ``try_first`` (a small batch, under
+    :data:`GIL_RELEASE_MIN`): one round first with the GIL held, if ``mutex`` is free at
+    once; a batch done by then takes the GIL back not at all. A signal does not end the
+    wait early; the deadline does.
+    """
+    return _native.ucp_wait(
+        fns,
+        worker,
+        efd,
+        requests,
+        mutex,
+        deadline,
+        spins,
+        idle_ms,
+        crc_buffers,
+        crc_spans,
+        crc_first,
+        try_first,
+    )

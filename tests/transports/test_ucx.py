@@ -30,7 +30,14 @@ import kvfabric
 from kvfabric import PutOutcome
 from kvfabric.errors import PluginUnavailableError, TransportError
 from kvfabric.keys import chain_keys
-from kvfabric.spi import NodeEndpoint, Segment, TransportConfig, Writer, plugin_manager
+from kvfabric.spi import (
+    NodeEndpoint,
+    Segment,
+    TransportConfig,
+    Writer,
+    gil_reacquisitions,
+    plugin_manager,
+)
 from kvfabric.testing import (
     Cluster,
     RegionServer,
@@ -358,6 +365,32 @@ def test_a_python_thread_keeps_running_while_reads_are_in_flight() -> None:
         f"(which kept {elsewhere_rate / idle_rate:.2f} of idle)"
     )
     assert batches >= 1
+
+
+@needs_ucx
+def test_a_64_record_read_and_put_take_the_gil_back_once_per_batch() -> None:
+    """Posts, progress, completion checks and CRCs run in kvfabric's native loops, which take
+    the GIL back once per wait (counted by the module). A put waits twice where its headers'
+    flush is a network round trip (UCX_TLS=tcp): the payloads' flush, then the headers'."""
+    name = f"ucx-gil-{os.urandom(4).hex()}"
+    url = f"embedded://{name}?capacity=640MiB&transport=ucx&timeout=60s"
+    values = [
+        np.random.default_rng(i).integers(0, 256, 4 * _MIB, dtype=np.uint8) for i in range(64)
+    ]
+    dests = [np.ones(4 * _MIB, dtype=np.uint8) for _ in range(64)]
+    with kvfabric.connect(url) as store:
+        keys = _keys(64)
+        before = gil_reacquisitions()
+        outcomes = store.batched_put(keys, values)
+        put_returns = gil_reacquisitions() - before
+        assert store.batched_contains(keys) == 64
+        before = gil_reacquisitions()
+        got = store.batched_get(keys, into=dests)
+        get_returns = gil_reacquisitions() - before
+    assert {o.value for o in outcomes} == {"stored"}
+    assert all(np.array_equal(g, v) for g, v in zip(got, values, strict=True))
+    assert get_returns == 1
+    assert put_returns == (2 if TLS == "tcp" else 1)
 
 
 # -- selection without UCX -----------------------------------------------------------------

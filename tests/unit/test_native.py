@@ -307,6 +307,45 @@ def test_prefault_of_a_large_buffer_takes_the_gil_back_once() -> None:
         os.close(fd)
 
 
+# -- the mutex native loops share -----------------------------------------------------------
+
+
+def test_a_mutex_is_a_context_manager_and_refuses_a_release_when_not_held() -> None:
+    mutex = native.Mutex()
+    assert not mutex.locked()
+    with mutex:
+        assert mutex.locked()
+    assert not mutex.locked()
+    with pytest.raises(RuntimeError, match="not held"):
+        mutex.release()
+    before = native.gil_reacquisitions()
+    assert mutex.acquire() is True  # free: taken without giving up the GIL
+    mutex.release()
+    assert native.gil_reacquisitions() - before == 0
+
+
+def test_a_contended_mutex_waits_with_the_gil_released_and_takes_it_back_once() -> None:
+    """The holder needs the GIL to finish and let go: a waiter that kept it would deadlock."""
+    mutex = native.Mutex()
+    held = threading.Event()
+    done: list[int] = []
+
+    def holder() -> None:
+        with mutex:
+            held.set()
+            time.sleep(0.05)  # the waiter is blocked on the mutex by now
+            done.append(sum(range(100_000)))  # Python work: needs the GIL
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    held.wait()
+    before = native.gil_reacquisitions()
+    with mutex:
+        assert done == [sum(range(100_000))]
+    thread.join()
+    assert native.gil_reacquisitions() - before == 1
+
+
 # -- sockets ------------------------------------------------------------------------------
 
 

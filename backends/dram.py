@@ -8,8 +8,8 @@ when the node dies, because a memfd lives only as long as someone holds it.
 At start the node allocates every page and fills its page tables (``dram.prefault``, on by
 default; several threads, the GIL released), as registering memory for RDMA would: a put
 into fresh memory otherwise traps once per 4 KiB page, in the node and in every client
-mapping it. It takes about a second per few GiB (logged, and the node's ``prefault_ms``);
-turn it off for capacities the machine should only commit as they fill.
+mapping it. It takes about a second per few GiB (the node's ready line and its
+``prefault_ms``); turn it off for capacities the machine should only commit as they fill.
 """
 
 from __future__ import annotations

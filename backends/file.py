@@ -25,8 +25,8 @@ At start (``file.prefault``, on by default) the node allocates each file's block
 (``fallocate``: a write into the mapping can no longer fail for want of disk space) and
 fills its mapping's page tables for writing, reading into the page cache what is on disk:
 the first puts then do not trap per 4 KiB page. Those pages are dirty afterwards, so the
-kernel writes the files back once. The time it took is logged (and the node's
-``prefault_ms``).
+kernel writes the files back once. The time it took is in the node's ready line and its
+``prefault_ms``.
 """
 
 from __future__ import annotations

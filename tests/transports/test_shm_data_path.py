@@ -123,11 +123,11 @@ def test_a_64_record_put_and_read_take_the_gil_back_once_each(
     assert all(np.array_equal(g, v) for g, v in zip(got, values, strict=True))
 
 
-def test_reads_over_two_nodes_take_the_gil_back_once_per_node(
+def test_a_read_over_two_nodes_copies_on_pool_threads_in_parallel_not_on_the_callers(
     values: list[np.ndarray[Any, Any]],
 ) -> None:
-    """Nodes are read in parallel, each on a thread of its own: one return per node there,
-    and the caller's wait for them."""
+    """Nodes are read in parallel, each node's batch on a pool thread of its own (one
+    native call there); the caller only waits for them."""
     with (
         Cluster(nodes=2, transports=("shm",), capacity="384MiB") as cluster,
         kvfabric.connect(cluster.url(transport="shm", timeout="60s")) as store,
@@ -140,7 +140,7 @@ def test_reads_over_two_nodes_take_the_gil_back_once_per_node(
         store.remember([d for d in descriptors if d is not None])
         dests = _dests()
         got, returns, _ = _returns(lambda: store.batched_get(keys, into=dests))
-    # Native returns on the pool's threads are counted there, not here.
+    # The copies ran on the pool's threads (whose returns are counted there, not here).
     assert returns == 0
     assert all(np.array_equal(g, v) for g, v in zip(got, values, strict=True))
 

@@ -12,6 +12,7 @@ __all__ = [
     "ControllerUnavailableError",
     "InvalidKeyError",
     "KvfabricError",
+    "NameInUseError",
     "NotSupportedError",
     "PluginError",
     "PluginNotFoundError",
@@ -67,6 +68,11 @@ class ProtocolError(KvfabricError, ValueError):
 
 class RemoteError(KvfabricError, RuntimeError):
     """A server answered a request with an error reply."""
+
+
+class NameInUseError(RemoteError):
+    """A data node registered under a name a live node of another process holds; it is
+    released once that node falls silent (or deregisters)."""
 
 
 class TransportError(KvfabricError, OSError):

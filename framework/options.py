@@ -94,8 +94,14 @@ class EmbeddedOptions(ClientOptions):
 
 @attrs.frozen(kw_only=True)
 class RemoteOptions(ClientOptions):
-    """Options of ``kvfabric://HOST:PORT``: a controller and its data nodes."""
+    """Options of ``kvfabric://HOST:PORT``: a controller and its data nodes.
 
+    With ``index=NAME`` (a *shared* index plugin, e.g. ``redis``) HOST:PORT is where that
+    index lives instead, and clients and nodes use it directly, with no controller.
+    """
+
+    index: str | None = None
+    """A shared index plugin to use directly (HOST:PORT is then its address)."""
     control_timeout: float = 1.0
     """Bound on one control round trip; past it the lookup is a miss."""
     retry_interval: float = 1.0

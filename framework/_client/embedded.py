@@ -22,10 +22,12 @@ import attrs
 from kvfabric._client.image_reader import ImageReader, MappedImage
 from kvfabric._client.record_io import RecordIO
 from kvfabric._client.store import Store
+from kvfabric._node.agent import NodeAgent
 from kvfabric._node.capacity import check_capacity
+from kvfabric._node.membership import IndexMembership
 from kvfabric._node.node import DataNode
 from kvfabric.descriptor import Descriptor
-from kvfabric.errors import ConfigError
+from kvfabric.errors import ConfigError, ControllerUnavailableError
 from kvfabric.options import EmbeddedOptions
 from kvfabric.spi.backend import BackendConfig
 from kvfabric.spi.image import ImageGeometry
@@ -56,7 +58,13 @@ class _Services:
     index: IndexPlugin
     node: DataNode
     options: tuple[object, ...]
+    agent: NodeAgent | None = None
+    """Keeps the node registered with a shared index (none for a private one)."""
     clients: int = 0
+
+
+_REGISTER_WAIT = 30.0
+"""Seconds an embedded node may take to register with a shared index."""
 
 
 _shared: dict[str, _Services] = {}
@@ -133,18 +141,43 @@ def _start(
     )
     try:
         index = index_cls.create(index_config)
-        # A file-backed node (or any memory that outlived a store) already holds records.
-        scan = node.scan()
-        restoring = len(scan.records) > 0
-        registered = index.register_node(node.info(restoring=restoring))
-        if restoring:
-            records = Descriptor.many_from_bytes(scan.addressed(registered).tobytes())
-            index.restore(registered.id, records)
-            index.restore_done(registered.id)
     except BaseException:
         node.close()
         raise
-    return _Services(index=index, node=node, options=service_options)
+    agent: NodeAgent | None = None
+    try:
+        if index_cls.shared:
+            # Others use this index too and drop nodes that stop heartbeating: the node
+            # joins it as any node does, through an agent.
+            agent = NodeAgent(
+                node, IndexMembership(index, f"the {index_cls.name} index", owns_index=False)
+            )
+            agent.start()
+            if agent.wait_registered(_REGISTER_WAIT) is None:
+                raise ControllerUnavailableError(
+                    f"the embedded node could not register with the {index_cls.name} index"
+                )
+        else:
+            _register(index, node)
+    except BaseException:
+        if agent is not None:
+            agent.stop()
+        index.close()
+        node.close()
+        raise
+    return _Services(index=index, node=node, options=service_options, agent=agent)
+
+
+def _register(index: IndexPlugin, node: DataNode) -> None:
+    """Register the node with its private index, with the records it already holds (a
+    file-backed node, or any memory that outlived a store)."""
+    scan = node.scan()
+    restoring = len(scan.records) > 0
+    registered = index.register_node(node.info(restoring=restoring))
+    if restoring:
+        records = Descriptor.many_from_bytes(scan.addressed(registered).tobytes())
+        index.restore(registered.id, records)
+        index.restore_done(registered.id)
 
 
 def _image_of(index: IndexPlugin) -> ImageReader | None:
@@ -163,5 +196,7 @@ def _release(name: str, services: _Services) -> None:
             return
         if name and _shared.get(name) is services:
             del _shared[name]
+    if services.agent is not None:
+        services.agent.stop()
     services.index.close()
     services.node.close()

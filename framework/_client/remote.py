@@ -8,6 +8,10 @@ transport declares its ``preference``: ``shm`` on the same host, else ``tcp``, t
 Lookups read the controller's lookup image where it serves one: mapped on its host (unless
 a transport other than ``shm`` is forced), else through the same transport clients as the
 data nodes, the image being one more peer.
+
+``kvfabric://HOST:PORT?index=NAME`` uses a *shared* index plugin (e.g. ``redis``) at
+HOST:PORT directly instead: no controller, the plugin's own round trips
+(:mod:`kvfabric._client.shared_index`).
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ import attrs
 
 from kvfabric._client.image_reader import ImageReader, open_image
 from kvfabric._client.record_io import RecordIO
+from kvfabric._client.shared_index import IndexUpkeep, check_shared
 from kvfabric._client.store import Store
 from kvfabric._control.client import ControlClient
 from kvfabric._control.remote_index import RemoteIndex
 from kvfabric._control.security import Credentials, load_secret
 from kvfabric.errors import KvfabricError
 from kvfabric.options import RemoteOptions
+from kvfabric.spi.index import IndexConfig
 from kvfabric.spi.options import PluginOptions
 from kvfabric.spi.plugins import PluginManager
 from kvfabric.spi.transport import Transport, TransportClient, TransportConfig
@@ -41,6 +47,8 @@ def open_remote(options: RemoteOptions, host: str, port: int, plugins: PluginMan
     )
     settings = PluginOptions(options.plugin_options)
     clients = _transport_clients(options, plugins, config, settings)
+    if options.index:
+        return _open_shared(options, host, port, plugins, clients, settings)
     settings.check_all_claimed("store")
     control = ControlClient(
         f"tcp://{host}:{port}",
@@ -73,6 +81,49 @@ def open_remote(options: RemoteOptions, host: str, port: int, plugins: PluginMan
         raise
     control.on_epoch_change = store.controller_restarted
     control.on_membership_change = store.membership_changed
+    return store
+
+
+def _open_shared(
+    options: RemoteOptions,
+    host: str,
+    port: int,
+    plugins: PluginManager,
+    clients: dict[str, TransportClient],
+    settings: PluginOptions,
+) -> Store:
+    assert options.index is not None
+    try:
+        cls = plugins.index(options.index)
+        check_shared(cls)
+        config = IndexConfig(options=settings.claim(cls), address=f"{host}:{port}")
+        settings.check_all_claimed("store")
+        index = cls.create(config)
+    except BaseException:
+        for client in clients.values():
+            client.close()
+        raise
+    upkeep: list[IndexUpkeep] = []
+
+    def stop_upkeep() -> None:
+        for job in upkeep:
+            job.stop()
+
+    try:
+        store = Store(
+            index=index,
+            records=RecordIO(clients, list(clients)),
+            options=options,
+            plugins=plugins,
+            # Run in reverse: the upkeep stops before the index closes under it.
+            on_close=[index.close, stop_upkeep],
+        )
+    except BaseException:
+        index.close()
+        for client in clients.values():
+            client.close()
+        raise
+    upkeep.append(IndexUpkeep(index, store))
     return store
 
 

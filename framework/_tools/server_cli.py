@@ -27,6 +27,7 @@ from kvfabric._control.remote_index import fetch_stats
 from kvfabric._control.security import Credentials, load_secret
 from kvfabric._node.agent import NodeAgent
 from kvfabric._node.capacity import check_capacity
+from kvfabric._node.membership import ControllerMembership, IndexMembership, Membership
 from kvfabric._node.node import DataNode
 from kvfabric._tools.endpoints import control_endpoint, listen_error
 from kvfabric._tools.metrics import MetricsServer, Scopes, ScopesCollector
@@ -70,7 +71,7 @@ def _size(text: str, option: str) -> int:
         raise ConfigError(f"{option}: {exc}") from None
 
 
-def _duration(text: str, option: str) -> float:
+def _duration(text: str | float, option: str) -> float:
     try:
         return parse_duration(text)
     except ConfigError as exc:
@@ -93,9 +94,11 @@ def _credentials(args: argparse.Namespace) -> Credentials | None:
     return Credentials.from_secret(secret) if secret else None
 
 
-def _settings(args: argparse.Namespace) -> PluginOptions:
+def _settings(args: argparse.Namespace, *, index: bool = True) -> PluginOptions:
+    """Users' NAME.OPTION settings for the plugins this command selects (``index=False``:
+    the index's are claimed elsewhere, as a node's shared index)."""
     pairs = [
-        *getattr(args, "index_opt", []),
+        *(getattr(args, "index_opt", []) if index else []),
         *getattr(args, "transport_opt", []),
         *getattr(args, "backend_opt", []),
     ]
@@ -104,11 +107,14 @@ def _settings(args: argparse.Namespace) -> PluginOptions:
 
 def _index_from(args: argparse.Namespace, settings: PluginOptions) -> IndexPlugin:
     index_cls = plugin_manager().index(args.index)
+    defaults = IndexConfig()
+    # A node using a shared index has no --lease/--grace/--headroom: those are the index's,
+    # set where it is served; the node only registers and heartbeats.
     return index_cls.create(
         IndexConfig(
-            lease=_duration(args.lease, "--lease"),
-            grace=_duration(args.grace, "--grace"),
-            headroom=args.headroom,
+            lease=_duration(getattr(args, "lease", defaults.lease), "--lease"),
+            grace=_duration(getattr(args, "grace", defaults.grace), "--grace"),
+            headroom=getattr(args, "headroom", defaults.headroom),
             options=settings.claim(index_cls),
         )
     )
@@ -279,7 +285,7 @@ def _serve_controller(controller: Controller, listen: str, ready: Callable[[str]
         ) from None
 
 
-def _announce_waiting(agent: NodeAgent, endpoint: str, secured: bool) -> None:
+def _announce_waiting(agent: NodeAgent, membership: Membership, secured: bool) -> None:
     """Log on stderr while the node waits for its controller, until it is registered."""
     started = time.monotonic()
     if agent.wait_registered(_FIRST_WAIT_NOTICE) is not None:
@@ -287,16 +293,17 @@ def _announce_waiting(agent: NodeAgent, endpoint: str, secured: bool) -> None:
     hint = " with the same secret" if secured else ""
     while True:
         log.warning(
-            "waiting for the controller at %s to register this node (%.0fs so far; the "
-            "node is not used until then); is `kvfabric controller` running there%s?",
-            endpoint,
+            "waiting for %s to register this node (%.0fs so far; the "
+            "node is not used until then); %s%s?",
+            membership.where,
             time.monotonic() - started,
+            membership.check_hint,
             hint,
         )
         if agent.wait_registered(_WAIT_NOTICE_EVERY) is not None:
             log.info(
-                "registered with the controller at %s after %.1fs",
-                endpoint,
+                "registered with %s after %.1fs",
+                membership.where,
                 time.monotonic() - started,
             )
             return
@@ -343,19 +350,36 @@ def cmd_controller(args: argparse.Namespace) -> int:
     return 0
 
 
+def _membership(args: argparse.Namespace, credentials: Credentials | None) -> Membership:
+    """Where this node registers: its controller, or (``--index NAME``) a shared index."""
+    if args.index:
+        settings = PluginOptions(group_plugin_options(args.index_opt))
+        index = _index_from(args, settings)
+        settings.check_all_claimed("node's index")
+        try:
+            return IndexMembership(index, f"the {args.index} index")
+        except BaseException:
+            index.close()
+            raise
+    return ControllerMembership(
+        control_endpoint(args.controller, "--controller"),
+        timeout=_duration(args.timeout, "--timeout"),
+        retry_interval=min(_duration(args.heartbeat, "--heartbeat"), 1.0),
+        credentials=credentials,
+    )
+
+
 def cmd_node(args: argparse.Namespace) -> int:
     credentials = _credentials(args)
-    endpoint = control_endpoint(args.controller, "--controller")
-    node = _node_from(args, credentials, _settings(args))
+    membership = _membership(args, credentials)
+    try:
+        node = _node_from(args, credentials, _settings(args, index=False))
+    except BaseException:
+        membership.close()
+        raise
     stop = threading.Event()
     try:
-        agent = NodeAgent(
-            node,
-            endpoint,
-            heartbeat=_duration(args.heartbeat, "--heartbeat"),
-            timeout=_duration(args.timeout, "--timeout"),
-            credentials=credentials,
-        )
+        agent = NodeAgent(node, membership, heartbeat=_duration(args.heartbeat, "--heartbeat"))
 
         def node_stats() -> Scopes:
             registered = agent.registered
@@ -372,13 +396,13 @@ def cmd_node(args: argparse.Namespace) -> int:
                 signal.signal(sig, lambda *_: stop.set())
             agent.start()
             print(
-                f"kvfabric node {node.name} serving {_describe(node)}; registering with the "
-                f"controller at {endpoint}{metrics}",
+                f"kvfabric node {node.name} serving {_describe(node)}; registering with "
+                f"{membership.where}{metrics}",
                 flush=True,
             )
             threading.Thread(
                 target=_announce_waiting,
-                args=(agent, endpoint, credentials is not None),
+                args=(agent, membership, credentials is not None),
                 name="kvfabric-wait-notice",
                 daemon=True,
             ).start()
@@ -412,12 +436,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             def ready(endpoint: str) -> None:
                 # The controller is bound: start the node's agent against it, announce when
                 # the node is in.
-                agent = NodeAgent(
-                    node,
+                membership = ControllerMembership(
                     endpoint,
-                    heartbeat=_duration(args.heartbeat, "--heartbeat"),
                     timeout=_duration(args.timeout, "--timeout"),
+                    retry_interval=min(_duration(args.heartbeat, "--heartbeat"), 1.0),
                     credentials=credentials,
+                )
+                agent = NodeAgent(
+                    node, membership, heartbeat=_duration(args.heartbeat, "--heartbeat")
                 )
                 agents.append(agent)
                 agent.start()
@@ -641,6 +667,20 @@ def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         default="tcp://127.0.0.1:7100",
         metavar="HOST:PORT",
         help="the controller's address (HOST:PORT, tcp://HOST:PORT or kvfabric://HOST:PORT)",
+    )
+    node.add_argument(
+        "--index",
+        default=None,
+        metavar="NAME",
+        help="register with a shared index directly instead of a controller (e.g. redis, "
+        "with --index-opt redis.url=redis://HOST:PORT)",
+    )
+    node.add_argument(
+        "--index-opt",
+        action="append",
+        default=[],
+        metavar="NAME.OPTION=VALUE",
+        help="an option of the shared index (repeatable)",
     )
     _add_node_options(node)
     _add_metrics_options(node)

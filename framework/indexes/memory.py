@@ -212,6 +212,11 @@ class MemoryIndex(IndexPlugin):
                     )
             return registered
 
+    def heartbeat(self, node: int, incarnation: int) -> bool:
+        with self._lock:
+            known = self._nodes.get(node)
+            return known is not None and known.incarnation == incarnation
+
     def remove_node(self, node: int) -> int:
         with self._lock:
             if self._nodes.pop(node, None) is None:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
-from kvfabric.errors import ConfigError, ControllerUnavailableError, RemoteError
+from kvfabric.errors import ConfigError, ControllerUnavailableError, NameInUseError
 from kvfabric.indexes.redis_layout import (
     Arena,
     Ring,
@@ -62,7 +62,7 @@ from kvfabric.spi import (
 if TYPE_CHECKING:
     from kvfabric.indexes.redis_shards import Call, Round, ShardSet
 
-__all__ = ["NameInUseError", "RedisIndex"]
+__all__ = ["RedisIndex"]
 
 # An entry is its descriptor, then its state: 1 while its grant is being written.
 _PENDING = 1
@@ -109,10 +109,6 @@ _ARENA_COUNTERS = (
 )
 
 
-class NameInUseError(RemoteError):
-    """A node registered under a name a live node of another process holds."""
-
-
 def _url(text: str) -> str:
     if not text.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError(f"{text!r} is not a redis:// or rediss:// (TLS) URL")
@@ -137,14 +133,16 @@ class RedisIndex(IndexPlugin):
     """The index in Redis (single server or Cluster). Thread-safe; one per process is enough."""
 
     name = "redis"
+    shared = True
     install_hint = "pip install 'kvfabric[redis]'"
     options = (
         OptionSpec(
             name="url",
             parse=_url,
-            default="redis://127.0.0.1:6379",
+            default=None,
             help="any node of the Redis deployment: redis:// or rediss:// (TLS), "
-            "user:password@ for ACL auth; a cluster is found from it",
+            "user:password@ for ACL auth; a cluster is found from it (default: "
+            "redis://HOST:PORT of kvfabric://HOST:PORT?index=redis, else 127.0.0.1:6379)",
         ),
         OptionSpec(
             name="namespace",
@@ -197,8 +195,9 @@ class RedisIndex(IndexPlugin):
     def create(cls, config: IndexConfig) -> RedisIndex:
         cls.check_available()
         options = cls.parse_options(config.options)
+        address = config.address or "127.0.0.1:6379"
         return cls(
-            url=options["url"],
+            url=options["url"] or f"redis://{address}",
             namespace=options["namespace"],
             arena_size=options["arena_size"],
             timeout=options["timeout"],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -243,6 +243,9 @@ class IndexConfig:
     """Share of capacity kept free, or on its way to free, by evicting ahead of need."""
     options: Mapping[str, Any] = attrs.field(factory=dict)
     """The plugin's declared options, parsed (every one present, defaulted if not given)."""
+    address: str = ""
+    """HOST:PORT from the store URL (``kvfabric://HOST:PORT?index=NAME``), for a shared index
+    that lives elsewhere; empty when none was given."""
 
 
 class IndexPlugin(Plugin, Index):
@@ -251,7 +254,15 @@ class IndexPlugin(Plugin, Index):
     Selected by name from entry-point group ``kvfabric.indexes`` (``embedded://?index=NAME``,
     ``kvfabric controller --index NAME``); its declared ``options`` come from the URL
     (``?NAME.OPTION=VALUE``) or ``--index-opt NAME.OPTION=VALUE``. It must be thread-safe.
+
+    A *shared* index keeps its state outside the processes that use it (in Redis, say):
+    clients (``kvfabric://HOST:PORT?index=NAME``) and data nodes
+    (``kvfabric node --index NAME``) then use it directly, with no controller in the
+    metadata path, and each of them calls :meth:`tick` now and then. An index that is not
+    shared lives in one process and is served to the others by a controller.
     """
+
+    shared: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod
@@ -266,6 +277,16 @@ class IndexPlugin(Plugin, Index):
         incarnation. Re-registration replaces the node's regions: entries in regions that
         are gone or changed (size, rkey) are dropped, and with ``restoring`` set every
         region waits for the node's records (:meth:`restore`) before taking grants.
+        """
+
+    @abc.abstractmethod
+    def heartbeat(self, node: int, incarnation: int) -> bool:
+        """The node is alive; False when that incarnation is not the registered one (the
+        node was dropped, or registered again from elsewhere): it must register again.
+
+        A shared index keeps liveness itself (a node that stops heartbeating is dropped by
+        whoever ticks); under a controller, the controller tracks heartbeats and this only
+        checks the incarnation.
         """
 
     @abc.abstractmethod

@@ -17,8 +17,8 @@ from redis_fixtures import keys_left, redis_index
 
 from kvfabric._tools.redis_cluster import RedisDeployment
 from kvfabric.descriptor import Descriptor
-from kvfabric.errors import ConfigError, PluginUnavailableError
-from kvfabric.indexes.redis import NameInUseError, RedisIndex
+from kvfabric.errors import ConfigError, NameInUseError, PluginUnavailableError
+from kvfabric.indexes.redis import RedisIndex
 from kvfabric.keys import fold_key
 from kvfabric.spi import (
     AllocationKind,

@@ -1,0 +1,65 @@
+"""``kvfabric://HOST:PORT?index=NAME``: a client of a *shared* index, with no controller.
+
+The index plugin (e.g. ``redis``) keeps its state where HOST:PORT points; the client calls
+it directly for metadata and moves bytes with the data nodes as any client does. Two jobs
+fall to every user of a shared index, done here by one background thread per store:
+
+- **upkeep**: ``index.tick()`` every half second (expired leases, nodes that fell silent);
+- **membership**: after each tick the nodes the index lists are compared (id and
+  incarnation) with the last ones seen; a change makes the store relearn its routes before
+  the next read or write, as a controller's membership generation does.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from kvfabric._client.store import Store
+from kvfabric.errors import ConfigError, KvfabricError
+from kvfabric.spi.index import IndexPlugin
+
+__all__ = ["IndexUpkeep", "check_shared"]
+
+log = logging.getLogger("kvfabric")
+
+TICK_INTERVAL = 0.5
+"""Seconds between a client's ticks of a shared index."""
+
+
+def check_shared(cls: type[IndexPlugin]) -> None:
+    if not cls.shared:
+        raise ConfigError(
+            f"index {cls.name!r} lives inside the process that serves it: connect to that "
+            f"controller (kvfabric://CONTROLLER:PORT, without index=); only a shared index "
+            "(e.g. redis) is used directly"
+        )
+
+
+class IndexUpkeep:
+    """The background tick and membership check of one store's shared index."""
+
+    def __init__(self, index: IndexPlugin, store: Store) -> None:
+        self._index = index
+        self._store = store
+        self._known: frozenset[tuple[int, int]] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvfabric-index-tick", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(TICK_INTERVAL):
+            try:
+                self._index.tick()
+                nodes = frozenset((n.id, n.incarnation) for n in self._index.nodes())
+            except KvfabricError as exc:
+                log.debug("kvfabric: shared index upkeep failed (%s); retrying", exc)
+                continue
+            if self._known is not None and nodes != self._known:
+                self._store.membership_changed(len(nodes))
+            self._known = nodes
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)

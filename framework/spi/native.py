@@ -124,14 +124,17 @@ def copy_many(
 
     Every ``dest`` is checked to be writable and to hold its ``src`` before any byte moves
     (``BufferError`` / ``ValueError`` otherwise). ``crc_spans``: ``(start, stop)`` ranges
-    of pair indices, in order and not overlapping; returns the CRC32C of each span, computed
-    in the same pass as the copy (in cache-sized chunks), or ``[]`` without spans. By
-    default it is the CRC of what landed, read back from the destination (a read: a source
-    changing under the copy then fails its check instead of passing unseen);
-    ``crc_of_source``: of the source, read just before it is copied (a write into memory
-    others may write too: the CRC then vouches only for what this caller meant to store).
-    The stores of a call are ordered before those of any later call, so a writer that copies
-    payloads first and their headers in a second call lands them in that order.
+    of pair indices, in order and not overlapping; returns the CRC32C of each span, or ``[]``
+    without spans. With the CPU's CRC32 instruction each word is checksummed as it is
+    stored, in one pass at about the copy's own speed: the CRC is of exactly the bytes that
+    landed, which are exactly the bytes this caller stored. So a read whose source changes
+    under the copy fails its check instead of passing unseen, and a write into memory others
+    may write too vouches only for what this caller meant to store. Where the bytes take
+    two passes (the portable table; a pair whose source and destination overlap), the
+    default reads the CRC back from the destination (a read) and ``crc_of_source`` takes it
+    from the source just before the copy (a write). The stores of a call are ordered before
+    those of any later call, so a writer that copies payloads first and their headers in a
+    second call lands them in that order.
     """
     return _native.copy_many(pairs, crc_spans, crc_of_source)
 

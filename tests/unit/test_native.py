@@ -201,6 +201,23 @@ def test_copy_many_refuses_spans_out_of_order_overlapping_or_out_of_range(
     assert dest == bytearray(1)
 
 
+@pytest.mark.parametrize("size", [*SIZES, 3 * 8192 * 3 + 5])
+@pytest.mark.parametrize("crc_of_source", [False, True])
+def test_copy_many_checksums_every_byte_at_every_alignment(size: int, crc_of_source: bool) -> None:
+    """Each word is checksummed as it is stored: the leading bytes before the source is
+    aligned, three streams of blocks, then words and bytes left over, all land and count."""
+    for src_at in range(9):
+        for dest_at in (0, 3):
+            source = memoryview(DATA)[src_at : src_at + size]
+            backing = bytearray(size + 16)
+            dest = memoryview(backing)[dest_at : dest_at + size]
+            [crc] = native.copy_many([(dest, source)], [(0, 1)], crc_of_source=crc_of_source)
+            assert crc == _crc(source)
+            assert dest == source
+            assert not any(backing[:dest_at])
+            assert not any(backing[dest_at + size :])
+
+
 def test_copy_many_can_checksum_the_sources_and_copies_the_same_bytes() -> None:
     pairs, sources = _random_pairs(30, seed=3)
     spans = [(0, 4), (4, 4), (6, 20), (25, 30)]

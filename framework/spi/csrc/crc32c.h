@@ -19,6 +19,10 @@ int kvf_crc32c_hardware(void);
  * kvf_crc32c(kvf_crc32c(0, a, n), b, m) is the CRC of a followed by b. */
 uint32_t kvf_crc32c(uint32_t crc, const void *buf, size_t len);
 
+/* Copy len bytes from src to dest (not overlapping) and return the CRC32C of those bytes,
+ * continuing from `crc`, in one pass: each word is checksummed as it is stored. */
+uint32_t kvf_copy_crc32c(void *dest, const void *src, size_t len, uint32_t crc);
+
 /* The same, always through the portable table (exposed so tests can check it). */
 uint32_t kvf_crc32c_table(uint32_t crc, const void *buf, size_t len);
 

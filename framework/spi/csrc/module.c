@@ -32,8 +32,8 @@
 /* Batches below this many bytes keep the GIL: their work (~20-50 us at worst) costs a busy
    neighbour less than the switch interval our return would wait out beside it. */
 #define GIL_RELEASE_MIN (256 * 1024)
-/* Fused copy+CRC works in chunks this size, so the CRC reads what the copy just wrote from
-   L2 rather than from memory. */
+/* Without the CPU's CRC instruction, fused copy+CRC works in chunks this size, so the CRC
+   reads what the copy just wrote from L2 rather than from memory. */
 #define COPY_CHUNK (64 * 1024)
 /* The same for receive+CRC: at most this many bytes per recvmsg when CRCs are asked. */
 #define RECV_CRC_WINDOW (256 * 1024)
@@ -375,7 +375,15 @@ done:
 
 static void copy_crc(char *dest, const char *src, size_t n, uint32_t *crc, int of_source) {
     uintptr_t d = (uintptr_t)dest, s = (uintptr_t)src;
-    if (d < s + n && s < d + n) {
+    int overlapping = d < s + n && s < d + n;
+    if (!overlapping && kvf_crc32c_hardware()) {
+        /* One pass: each word checksummed as it is stored, so the CRC is of exactly the
+           bytes that landed, and of exactly the bytes this caller stored (both modes):
+           another writer's bytes in the destination are never vouched for. */
+        *crc = kvf_copy_crc32c(dest, src, n, *crc);
+        return;
+    }
+    if (overlapping) {
         /* Overlapping: chunks would read bytes an earlier chunk overwrote. */
         if (of_source)
             *crc = kvf_crc32c(*crc, src, n);

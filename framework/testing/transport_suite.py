@@ -419,9 +419,7 @@ class TransportConformance:
         assert crcs == want
         assert made == [want]
         dests = [bytearray(len(p)) for p in payloads] + [bytearray(16)]
-        reads = [
-            segment_for(endpoint, 0, o, d) for o, d in zip(offsets, dests[:-1], strict=True)
-        ]
+        reads = [segment_for(endpoint, 0, o, d) for o, d in zip(offsets, dests[:-1], strict=True)]
         assert client.read(1, [*reads, segment_for(endpoint, 1, 0, dests[-1])]) == [None] * 4
         assert dests[:-1] == payloads
         assert dests[-1] == b"".join(c.to_bytes(4, "little") * 2 for c in want)

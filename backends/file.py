@@ -72,6 +72,7 @@ class FileBackend(Backend):
     name = "file"
     memory_kind = MemoryKind.FILE
     shareable = True
+    persistent = True
     options = (
         OptionSpec(
             name="sync",

@@ -171,13 +171,14 @@ def _start(
 def _register(index: IndexPlugin, node: DataNode) -> None:
     """Register the node with its private index, with the records it already holds (a
     file-backed node, or any memory that outlived a store)."""
-    scan = node.scan()
+    scan = node.scan() if node.may_hold_records() else node.empty_scan()
     restoring = len(scan.records) > 0
     registered = index.register_node(node.info(restoring=restoring))
     if restoring:
         records = Descriptor.many_from_bytes(scan.addressed(registered).tobytes())
         index.restore(registered.id, records)
         index.restore_done(registered.id)
+    node.mark_registered()
 
 
 def _image_of(index: IndexPlugin) -> ImageReader | None:

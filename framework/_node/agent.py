@@ -76,7 +76,7 @@ class NodeAgent:
             self._stop.wait(self.heartbeat)
 
     def _register(self) -> None:
-        scan = self.node.scan()
+        scan = self.node.scan() if self.node.may_hold_records() else self.node.empty_scan()
         if len(scan.records) or scan.torn:
             log.info(
                 "found %d records in %s of memory in %.2fs (%d torn, dropped)",
@@ -95,6 +95,7 @@ class NodeAgent:
                 kept,
                 len(scan.records),
             )
+        self.node.mark_registered()
         with self._changed:
             self.registered = info
             self._changed.notify_all()

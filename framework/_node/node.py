@@ -62,6 +62,7 @@ class DataNode:
         self.instance = secrets.randbits(63) | 1
         self.backend = backend
         self.servers = servers
+        self._registered_once = False
         self.handles: dict[str, tuple[RegionHandle, ...]] = {
             transport: tuple(server.register(r) for r in backend.regions())
             for transport, server in servers.items()
@@ -142,6 +143,19 @@ class DataNode:
                 for transport, server in self.servers.items()
             ),
         )
+
+    def may_hold_records(self) -> bool:
+        """Whether a scan could find anything: after the first registration always, before
+        it only if the backend's memory outlives processes (a fresh dram region holds
+        nothing, and reading it would commit every page)."""
+        return self._registered_once or type(self.backend).persistent
+
+    def mark_registered(self) -> None:
+        self._registered_once = True
+
+    def empty_scan(self) -> NodeScan:
+        """What a scan of memory known to be fresh finds: nothing."""
+        return NodeScan(records=np.zeros(0, DESCRIPTOR_DTYPE), torn=0, scanned_bytes=0, seconds=0.0)
 
     def scan(self) -> NodeScan:
         """Every intact record in this node's memory, ready to report to the index.

@@ -63,6 +63,11 @@ class Backend(Plugin, abc.ABC):
     memory_kind: ClassVar[MemoryKind]
     shareable: ClassVar[bool]
     """True when regions carry a ``path`` another local process can map."""
+    persistent: ClassVar[bool] = False
+    """True when regions can hold records from before this process started (files): the
+    node scans them before its first registration. Memory that starts empty is scanned
+    only when the node registers again (its controller restarted) — scanning fresh memory
+    would find nothing, and would commit every page of it."""
 
     @abc.abstractmethod
     def __init__(self, config: BackendConfig) -> None: ...

@@ -126,7 +126,8 @@ def test_host_port_without_tcp_scheme_is_accepted_and_ready_lines_name_every_end
         with _running(
             "node", "--controller", f"kvfabric://127.0.0.1:{port}", "--capacity", "64MiB"
         ) as (_, node_line):
-            assert "serving 64.0 MiB (67108864 bytes, dram, 1 region, memory prepared in " in node_line
+            expected = "serving 64.0 MiB (67108864 bytes, dram, 1 region, memory prepared in "
+            assert expected in node_line
             assert "tcp@127.0.0.1:" in node_line
             assert "shm" in node_line
             assert f"controller at tcp://127.0.0.1:{port}" in node_line

@@ -17,6 +17,7 @@ proof, and the node's proof checked in turn.
 
 from __future__ import annotations
 
+import bisect
 import hmac
 import socket
 import ssl
@@ -43,7 +44,7 @@ from kvfabric.transports.tcp_auth import (
     server_proof,
     unpack_greeting,
 )
-from kvfabric.transports.tcp_stream import Stream, TlsStream, Truncated
+from kvfabric.transports.tcp_stream import PeerClosed, Stream, TlsStream
 from kvfabric.transports.tcp_wire import (
     ENTRY,
     HEADER,
@@ -58,9 +59,7 @@ from kvfabric.transports.tcp_wire import (
 __all__ = ["TcpClient"]
 
 _OK = SegmentStatus.OK
-_STATUSES = frozenset(SegmentStatus)
-# The client never drains: a status it did not ask for is a protocol error.
-_NO_SCRATCH = memoryview(b"")
+_MAX_STATUS = max(SegmentStatus)
 
 
 class _Refused(Exception):
@@ -108,41 +107,43 @@ class _Connection:
             raise
         return cls(stream)
 
-    def exchange(self, op: Op, table: bytes, segments: Sequence[Segment], deadline: float) -> bytes:
-        """One request/reply for up to ``MAX_COUNT`` segments; returns the status table."""
+    def exchange(
+        self,
+        op: Op,
+        table: bytes,
+        segments: Sequence[Segment],
+        deadline: float,
+        crc_spans: list[tuple[int, int]] | None,
+    ) -> tuple[bytes, list[int]]:
+        """One request/reply for up to ``MAX_COUNT`` segments, in one native call (one
+        release of the GIL, plain tcp): returns the status table and, for a read with
+        ``crc_spans`` (ranges of ``segments``), the CRC32C of each span's landed bytes."""
         rid = self._next_id
         self._next_id += 1
-        head = pack_header(op, 0, len(segments), rid) + table
+        count = len(segments)
+        head = pack_header(op, 0, count, rid) + table
+        buffers = [seg.buffer for seg in segments]
         if op == Op.WRITE:
-            self.stream.send_all([head, *(seg.buffer for seg in segments)], deadline)
+            request, payloads = [head, *buffers], []
         else:
-            self.stream.send_all([head], deadline)
-        statuses = self._reply_statuses(op, rid, len(segments), deadline)
-        if op == Op.READ:
-            landing = (seg.buffer for seg, ok in zip(segments, statuses, strict=True) if ok == _OK)
-            self.stream.recv_targets(landing, _NO_SCRATCH, deadline)
-        return statuses
-
-    def _reply_statuses(self, op: Op, rid: int, count: int, deadline: float) -> bytes:
-        """Read a reply header and its status table, checking both against the request."""
-        buf = bytearray(HEADER.size + count)
-        view = memoryview(buf)
-        got = 0
-        # Header and table usually arrive together: one recv when they do. The header is
-        # checked first because an error reply has no table (and the node then closes).
-        while got < len(buf):
-            # The first receive waits for the node to answer; the rest take what is left.
-            receive = self.stream.recv_some if got else self.stream.recv_awaited
-            n = receive(view[got:], deadline)
-            if n == 0:
-                raise Truncated("node closed the connection")
-            got += n
-            if got >= HEADER.size and got - n < HEADER.size:
-                _check_reply(buf, op, rid, count)
-        statuses = bytes(view[HEADER.size :])
-        if not set(statuses) <= _STATUSES:
+            request, payloads = [head], buffers
+        reply = memoryview(bytearray(HEADER.size + count))
+        try:
+            crcs = self.stream.request_reply(
+                request, reply, payloads, deadline, status_offset=HEADER.size, crc_spans=crc_spans
+            )
+        except PeerClosed as closed:
+            # An error reply is a bare header, then the node closes: read what it says.
+            if closed.received >= HEADER.size:
+                _check_reply(reply, op, rid, count)
+            raise
+        _check_reply(reply, op, rid, count)
+        statuses = bytes(reply[HEADER.size :])
+        # A status the client does not know also made the native call skip that payload:
+        # the stream is out of step, and the connection is closed.
+        if statuses and max(statuses) > _MAX_STATUS:
             raise ProtocolError("unknown segment status in reply")
-        return statuses
+        return statuses, crcs
 
     def close(self) -> None:
         self.stream.close()
@@ -231,9 +232,13 @@ class _Peer:
 
 
 class TcpClient(PeerClient[_Peer]):
-    # Truncated is a ConnectionError; _Refused: the node answered with an error code, or
+    # PeerClosed is a ConnectionError; _Refused: the node answered with an error code, or
     # the handshake cannot succeed (TLS on one side only, a node without the secret).
     native_errors = {**SOCKET_ERRORS, ProtocolError: TransportError, _Refused: TransportError}
+    # Writes leave the CRCs to PeerClient: one crc32c_many before the frame (the GIL back
+    # once), and the records' headers, made from them, go in the same frame as the payloads
+    # (one round trip). Checksumming while sending would need the headers in a second frame.
+    checksums_writes = False
 
     def __init__(self, config: TransportConfig, pool: int, tls: ssl.SSLContext | None) -> None:
         super().__init__(config)
@@ -256,52 +261,113 @@ class TcpClient(PeerClient[_Peer]):
         _call(peer, Op.WRITE, batch)
 
 
+class _Frame:
+    """Up to ``MAX_COUNT`` segments of a batch, their entry table, and (a read with CRCs)
+    the spans that fall inside them, as ranges of the frame's segments."""
+
+    __slots__ = ("crc_spans", "segments", "table")
+
+    def __init__(self, segments: list[Segment], crc_spans: list[tuple[int, int]] | None) -> None:
+        self.segments = segments
+        self.table = _pack_table(segments)
+        self.crc_spans = crc_spans
+
+
 def _call(peer: _Peer, op: Op, batch: Batch) -> None:
-    """Move a planned batch, in frames of at most ``MAX_COUNT`` segments."""
+    """Move a planned batch, in frames of at most ``MAX_COUNT`` segments.
+
+    A read with ``crc_spans`` gets each span's CRC from the frame that lands it (frames
+    are cut between spans); where a span is longer than a frame, the batch's CRCs are
+    left to PeerClient (one more native call).
+    """
     segments = batch.segments
-    frames = [segments[i : i + MAX_COUNT] for i in range(0, len(segments), MAX_COUNT)]
-    tables = [_pack_table(frame) for frame in frames]
-    statuses = _exchange(peer, op, tables, frames, batch.deadline)
+    spans = batch.crc_spans if op == Op.READ else None
+    bounds, framed = _frame_bounds(len(segments), spans)
+    frames = []
+    for (start, stop), frame_spans in zip(bounds, framed, strict=True):
+        frames.append(_Frame(segments[start:stop], frame_spans))
+    statuses, crcs = _exchange(peer, op, frames, batch.deadline)
+    if spans is not None and framed[0] is not None:
+        batch.crcs = crcs
     if statuses.count(_OK) != len(statuses):
         for i, status in enumerate(statuses):
             if status != _OK:
                 batch.refuse(i, SegmentStatus(status).describe())
 
 
+def _frame_bounds(
+    count: int, spans: list[tuple[int, int]] | None
+) -> tuple[list[tuple[int, int]], list[list[tuple[int, int]] | None]]:
+    """Where frames start and stop, and each frame's spans (None: no CRCs to take).
+
+    A frame holds at most ``MAX_COUNT`` segments and ends where a span starts rather than
+    inside one, so every span lies in one frame; a span too long for any frame drops the
+    CRCs of the whole batch (None for every frame).
+    """
+    if count <= MAX_COUNT:
+        return [(0, count)], [spans]
+    starts = [a for a, _ in spans] if spans else []
+    bounds: list[tuple[int, int]] = []
+    whole = spans is not None
+    start = 0
+    while start < count:
+        stop = min(start + MAX_COUNT, count)
+        if spans and stop < count:
+            k = bisect.bisect_right(starts, stop) - 1
+            if k >= 0 and starts[k] < stop < spans[k][1]:
+                if starts[k] > start:
+                    stop = starts[k]
+                else:
+                    whole = False
+        bounds.append((start, stop))
+        start = stop
+    if not whole or spans is None:
+        return bounds, [None] * len(bounds)
+    framed: list[list[tuple[int, int]] | None] = []
+    k = 0
+    for start, stop in bounds:
+        mine: list[tuple[int, int]] = []
+        while k < len(spans) and spans[k][1] <= stop:
+            a, b = spans[k]
+            mine.append((a - start, b - start))
+            k += 1
+        framed.append(mine)
+    return bounds, framed
+
+
 def _exchange(
-    peer: _Peer, op: Op, tables: list[bytes], frames: list[list[Segment]], deadline: float
-) -> bytes:
+    peer: _Peer, op: Op, frames: list[_Frame], deadline: float
+) -> tuple[bytes, list[int]]:
     """Send every frame and collect the status tables, on a pooled or fresh connection."""
     conn = peer.take()
     if conn is not None:
         try:
-            return _run(peer, conn, op, tables, frames, deadline)
+            return _run(peer, conn, op, frames, deadline)
         except ConnectionError:
             # The node closed or reset a pooled connection (it restarted, shut down, or
             # closed it for idling): its idle siblings may be as stale. Reads and writes
             # are idempotent, so one retry on a fresh connection is safe.
             peer.drop_idle()
-    return _run(peer, peer.open(deadline), op, tables, frames, deadline)
+    return _run(peer, peer.open(deadline), op, frames, deadline)
 
 
 def _run(
-    peer: _Peer,
-    conn: _Connection,
-    op: Op,
-    tables: list[bytes],
-    frames: list[list[Segment]],
-    deadline: float,
-) -> bytes:
+    peer: _Peer, conn: _Connection, op: Op, frames: list[_Frame], deadline: float
+) -> tuple[bytes, list[int]]:
+    statuses: list[bytes] = []
+    crcs: list[int] = []
     try:
-        statuses = b"".join(
-            conn.exchange(op, table, frame, deadline)
-            for table, frame in zip(tables, frames, strict=True)
-        )
+        for frame in frames:
+            frame_statuses, frame_crcs = conn.exchange(
+                op, frame.table, frame.segments, deadline, frame.crc_spans
+            )
+            statuses.append(frame_statuses)
+            crcs += frame_crcs
     except BaseException:
         conn.close()  # its stream state is unknown: never reuse it
         raise
     peer.give_back(conn)
-    return statuses
+    return b"".join(statuses), crcs
 
 
 def _pack_table(segments: Sequence[Segment]) -> bytes:

@@ -4,7 +4,9 @@ Connections arrive here from :class:`~kvfabric.transports.tcp_gate.Gate` once th
 handshake is done. Each then gets a thread that serves its frames one at a time, every
 segment checked again against the regions (``kvfabric.spi.RegionTable``: the client is not
 trusted), a refused segment moving no bytes. Bytes go straight between the socket and
-region memory (:class:`~kvfabric.transports.tcp_stream.Stream`).
+region memory (:class:`~kvfabric.transports.tcp_stream.Stream`: kvfabric's native loops,
+so a frame of up to 4,096 segments takes the GIL back about twice: once after waiting for
+the frame, once after moving its payloads; with TLS, once per ``ssl`` call).
 
 What one peer can hold is bounded:
 
@@ -15,9 +17,9 @@ What one peer can hold is bounded:
   is closed: its client reconnects when it next needs it); only when every one is busy is
   it answered BUSY;
 - memory: nothing is sized by a number the peer sent until the peer has sent the bytes.
-  A frame's table is held as it arrives; a read of more than ``_ONE_PASS_MAX`` segments
-  keeps one status byte per segment and makes region views ``IOV_MAX`` at a time; refused
-  write payloads are read into one scratch buffer and dropped.
+  A frame's table is held as it arrives; a frame of more than 4,096 segments keeps one
+  status byte per segment and makes region views 4,096 at a time; refused write payloads
+  are read into one scratch buffer and dropped.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from kvfabric.spi import (
     byte_view,
 )
 from kvfabric.transports.tcp_gate import GATE_COUNTERS, Gate
-from kvfabric.transports.tcp_stream import Stream, Target, Truncated, wake
+from kvfabric.transports.tcp_stream import VIEWS_PER_CALL, PeerClosed, Stream, Target, wake
 from kvfabric.transports.tcp_wire import (
     ENTRY,
     HEADER,
@@ -75,8 +77,9 @@ SERVER_COUNTERS = (
     "idle_evicted",
 )
 # A read of up to this many segments plans them in one pass (their views held at once,
-# ~200 bytes each); a larger one checks twice rather than hold 65536 views.
-_ONE_PASS_MAX = 4096
+# ~300 bytes each with the native call's own) and sends them in one native call; a larger
+# one checks twice rather than hold 65536 views, and sends them this many per call.
+_ONE_PASS_MAX = VIEWS_PER_CALL
 # Refused write payloads land here and are dropped. One buffer for every connection: what
 # concurrent drains write into it is garbage nobody reads.
 _SCRATCH = 256 * 1024
@@ -238,8 +241,8 @@ class TcpServer(TransportServer):
                 stream.send_all(
                     [pack_header(refused.op, refused.code, 0, 0)], time.monotonic() + 1.0
                 )
-        except Truncated:
-            self._counters.add("bad_frames")
+        except PeerClosed:
+            self._counters.add("bad_frames")  # closed in the middle of a frame
         except TimeoutError:
             self._counters.add("stalled_frames")
         except (OSError, ValueError):
@@ -257,19 +260,17 @@ class TcpServer(TransportServer):
         while True:
             conn.idle_since = now = time.monotonic()
             try:
-                first = stream.recv_awaited(header, now + idle_timeout if idle_timeout else None)
+                more = stream.recv_first(header, now + idle_timeout if idle_timeout else None)
             except TimeoutError:
                 self._counters.add("idle_timeouts")
                 return
-            except Truncated:
-                return  # TLS: the peer closed between frames
-            if first == 0 or conn.evicted:
+            if not more or conn.evicted:
                 return
             conn.idle_since = None
             self._counters.add("frames")
             # From a frame's first byte, the whole frame and its reply run on one clock.
             deadline = time.monotonic() + self._limits.frame_timeout
-            stream.recv_exact(header[first:], deadline)
+            stream.recv_exact(header[1:], deadline)
             magic, version, op, code, count, rid = HEADER.unpack(header)
             if magic != MAGIC or version != VERSION or code or op not in _SERVED_OPS:
                 raise _Refused(op if op in _SERVED_OPS else 0, Code.BAD_FRAME, "bad_frames")

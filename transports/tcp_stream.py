@@ -1,42 +1,59 @@
 """Socket I/O for the ``tcp`` transport, every call bounded by a deadline.
 
-Both sides move bytes through a :class:`Stream`: straight between the socket and the
-caller's buffers (``sendmsg`` gathers, ``recvmsg_into`` scatters, at most ``IOV_MAX``
-buffers per call, so a batch of any size never asks the kernel for more), with no copy
-beyond the kernel's own. A :class:`TlsStream` does the same over an ``ssl`` socket, which
-has neither call: it receives into each buffer in turn and coalesces small sends, so a
-64-byte record header does not become a TLS record of its own.
+Both sides move bytes through a :class:`Stream`: kvfabric's native loops
+(``kvfabric.spi.native``) move a whole list of buffers straight between the socket and the
+caller's memory (``sendmsg`` gathers, ``recvmsg`` scatters, ``IOV_MAX`` buffers per system
+call) and release the GIL once for the call. Why once: a thread that takes the GIL back
+beside a busy Python thread waits out the interpreter's switch interval (5 ms), and the
+Python loops this replaced took it back per receive, per send and per CRC piece (a 64 x
+4 MiB read ran at 0.14x of its rate beside one busy thread; issue 12). A client's request
+and its reply, with the read's payloads and their CRC32Cs, are one call
+(:meth:`Stream.request_reply`).
+
+A :class:`TlsStream` does the same over an ``ssl`` socket, in Python: the standard library's
+``ssl`` has no gather or scatter and each of its calls takes the GIL back (one per TLS
+record received, at most 16 KiB, and one per send and per wait). It receives into each
+buffer in turn and coalesces small sends, so a 64-byte record header does not become a TLS
+record of its own.
 
 The socket is non-blocking and a call waits in ``poll`` only when the kernel has nothing
-for it: bytes that already arrived, or a send that fits, cost one system call. (A Python
-socket with a timeout polls before every call, and setting the timeout is a call of its
-own.) Every method takes a deadline (``time.monotonic()``; None for none) that bounds each
-wait, so a whole frame is bounded however slowly its bytes trickle in. The peer closing in
-the middle of a transfer raises :class:`Truncated`.
+for it. Every method takes a deadline (``time.monotonic()``; None for none) that bounds
+the whole call, so a frame is bounded however slowly its bytes trickle in
+(``TimeoutError``). The peer closing in the middle of a transfer raises
+:class:`~kvfabric.spi.native.PeerClosed` (``received``: the bytes this call received).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
+import itertools
 import select
 import socket
 import ssl
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
-from kvfabric.spi import byte_view
+from kvfabric.spi import (
+    IOV_MAX,
+    PeerClosed,
+    byte_view,
+    crc32c_many,
+    recv_into_all,
+    request_reply,
+)
+from kvfabric.spi import send_all as native_send_all
 
-__all__ = ["IOV_MAX", "Stream", "Target", "TlsStream", "Truncated", "wake"]
+__all__ = ["IOV_MAX", "PeerClosed", "Stream", "Target", "TlsStream", "wake"]
 
-try:
-    IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
-except (AttributeError, ValueError, OSError):  # pragma: no cover - not Linux
-    IOV_MAX = 16
-# Bytes asked of the kernel per receive when the size comes from the peer: memory then
-# grows with what actually arrived, never with what a header announced.
-_GROW_CHUNK = 64 * 1024
+# Buffers per native call when a list is built lazily (a 65,536-segment frame): each costs
+# a view and an iovec while the call runs, so a connection holds at most this many.
+VIEWS_PER_CALL = 4096
+# The first receive of a size the peer announced (a frame's table): memory then grows with
+# what actually arrived, never with what a header announced. A page: a thousand
+# connections that announce the largest table and send nothing hold 4 MiB (64 KiB each
+# measured 87 MiB of the node's RSS).
+_GROW_FIRST = 4096
 # TLS: sends smaller than this are copied together into one record.
 _COALESCE_BELOW = 16 * 1024
 _COALESCE_FLUSH = 256 * 1024
@@ -47,38 +64,156 @@ _OUT = select.POLLOUT
 Target = memoryview | int
 A = TypeVar("A")
 T = TypeVar("T")
-
-
-class Truncated(ConnectionError):
-    """The peer closed the connection in the middle of a transfer."""
+Spans = Sequence[tuple[int, int]]
 
 
 def wake(sock: socket.socket) -> None:
     """Wake a thread waiting on ``sock`` (it sees EOF), without closing the descriptor.
 
     The base class's ``shutdown``: ``SSLSocket.shutdown`` would also drop the TLS state a
-    waiting reader is still using.
+    waiting reader is still using. (Closing would let the descriptor's number be reused
+    under a native call still running on it.)
     """
     # OSError: already shut down, or never connected.
     with contextlib.suppress(OSError):
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
+def peer_closed(received: int, what: str) -> PeerClosed:
+    """A :class:`PeerClosed` raised from Python (TLS), with ``received`` set as the native
+    loops set it."""
+    exc = PeerClosed(f"the peer closed the connection {what}, after {received} bytes")
+    exc.received = received
+    return exc
+
+
 class Stream:
     """One connected socket, made non-blocking; used by one thread at a time."""
 
-    __slots__ = ("_events", "_poll", "sock")
+    __slots__ = ("sock",)
     tls: ClassVar[bool] = False
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         self.sock = sock
-        self._poll = select.poll()
-        self._poll.register(sock.fileno(), _IN)
-        self._events = _IN
 
     def close(self) -> None:
         self.sock.close()
+
+    # -- what both sides call ---------------------------------------------------------
+
+    def recv_first(self, buf: memoryview, deadline: float | None) -> bool:
+        """Wait for the first byte of the next message, into ``buf[0]``; False when the
+        peer closed (or was woken by :func:`wake`) before sending one."""
+        try:
+            recv_into_all(self.sock, [buf[:1]], deadline)
+        except PeerClosed:
+            return False
+        return True
+
+    def recv_exact(self, buf: memoryview, deadline: float | None) -> None:
+        recv_into_all(self.sock, [buf], deadline)
+
+    def recv_into(self, buffers: Sequence[memoryview], deadline: float | None) -> None:
+        """Fill every buffer in order (one native call)."""
+        recv_into_all(self.sock, buffers, deadline)
+
+    def send_all(self, buffers: Iterable[Any], deadline: float | None) -> None:
+        """Send every buffer in order: a list or tuple in one native call; any other
+        iterable is pulled lazily, :data:`VIEWS_PER_CALL` buffers per call."""
+        if isinstance(buffers, (list, tuple)):
+            self._send(buffers, deadline)
+            return
+        source = iter(buffers)
+        while chunk := list(itertools.islice(source, VIEWS_PER_CALL)):
+            self._send(chunk, deadline)
+
+    def _send(self, buffers: Sequence[Any], deadline: float | None) -> None:
+        native_send_all(self.sock, buffers, deadline)
+
+    def recv_growing(self, size: int, deadline: float | None) -> bytearray:
+        """``size`` bytes the peer announced, held only as they arrive: the buffer starts at
+        ``_GROW_FIRST`` and at most doubles per receive, so it is never more than twice what
+        arrived (a handful of calls for the largest table)."""
+        data = bytearray(min(size, _GROW_FIRST))
+        self.recv_exact(memoryview(data), deadline)
+        while len(data) < size:
+            have = len(data)
+            data += bytes(min(size - have, have))
+            self.recv_exact(memoryview(data)[have:], deadline)
+        return data
+
+    def recv_targets(
+        self, targets: Iterable[Target], scratch: memoryview, deadline: float | None
+    ) -> None:
+        """Fill each buffer in order; an int target reads that many bytes into ``scratch``
+        (repeatedly) and drops them. Targets are pulled lazily, and each call is given at
+        most :data:`VIEWS_PER_CALL` buffers, so a drain of any length holds no more."""
+        pending: list[memoryview] = []
+        room = VIEWS_PER_CALL
+        for target in targets:
+            if isinstance(target, int):
+                whole, rest = divmod(target, scratch.nbytes)
+                while whole:
+                    take = min(whole, room - len(pending))
+                    pending += itertools.repeat(scratch, take)
+                    whole -= take
+                    if len(pending) == room:
+                        self.recv_into(pending, deadline)
+                        pending = []
+                if not rest:
+                    continue
+                target = scratch[:rest]
+            pending.append(target)
+            if len(pending) == room:
+                self.recv_into(pending, deadline)
+                pending = []
+        if pending:
+            self.recv_into(pending, deadline)
+
+    # -- the client's frame -----------------------------------------------------------
+
+    def request_reply(
+        self,
+        request: Sequence[Any],
+        reply: memoryview,
+        payloads: Sequence[memoryview],
+        deadline: float | None,
+        *,
+        status_offset: int,
+        crc_spans: Spans | None,
+    ) -> list[int]:
+        """Send ``request``, fill ``reply``, then each payload whose status byte
+        (``reply[status_offset + i]``) is 0, checksumming ``crc_spans`` of the payloads as
+        they land; one release of the GIL (:func:`kvfabric.spi.request_reply`)."""
+        return request_reply(
+            self.sock,
+            request,
+            reply,
+            payloads,
+            deadline,
+            status_offset=status_offset,
+            crc_spans=crc_spans,
+        )
+
+
+class TlsStream(Stream):
+    """:class:`Stream` over an ``ssl.SSLSocket``, in Python (``ssl`` has no native loop).
+
+    TLS may need to read while sending or write while receiving (handshakes, key updates):
+    each call waits for whichever its ``SSLWant*`` error names. Every ``ssl`` call releases
+    and takes back the GIL: a receive per TLS record (at most 16 KiB), a send per buffer
+    (small ones coalesced), a wait per time the socket is not ready.
+    """
+
+    __slots__ = ("_events", "_poll")
+    tls = True
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__(sock)
+        self._poll = select.poll()
+        self._poll.register(sock.fileno(), _IN)
+        self._events = _IN
 
     def _wait(self, events: int, deadline: float | None) -> None:
         """Wait until the socket is ready for ``events``; TimeoutError at the deadline."""
@@ -93,115 +228,7 @@ class Stream:
             raise TimeoutError("deadline passed")
 
     def _call(self, call: Callable[[A], T], arg: A, deadline: float | None) -> T:
-        """``call(arg)`` once the kernel can serve it: waits only when it would block."""
-        while True:
-            try:
-                return call(arg)
-            except BlockingIOError:
-                pass
-            self._wait(_IN, deadline)
-
-    def _send_call(self, call: Callable[[A], T], arg: A, deadline: float | None) -> T:
-        while True:
-            try:
-                return call(arg)
-            except BlockingIOError:
-                pass
-            self._wait(_OUT, deadline)
-
-    def recv_some(self, buf: memoryview, deadline: float | None) -> int:
-        """One receive into ``buf``; 0 when the peer closed."""
-        return self._call(self.sock.recv_into, buf, deadline)
-
-    def recv_awaited(self, buf: memoryview, deadline: float | None) -> int:
-        """:meth:`recv_some` where the peer is expected to be still working (the next
-        request, a reply): waits first, rather than try a receive that would fail."""
-        self._wait(_IN, deadline)
-        return self.recv_some(buf, deadline)
-
-    def recv_exact(self, buf: memoryview, deadline: float | None) -> None:
-        got = 0
-        while got < buf.nbytes:
-            n = self.recv_some(buf[got:], deadline)
-            if n == 0:
-                raise Truncated(f"connection closed after {got} of {buf.nbytes} bytes")
-            got += n
-
-    def recv_growing(self, size: int, deadline: float | None) -> bytearray:
-        """``size`` bytes the peer announced, held only as they arrive (a buffer of at most
-        ``_GROW_CHUNK`` may be made up front)."""
-        if size <= _GROW_CHUNK:
-            small = bytearray(size)
-            self.recv_exact(memoryview(small), deadline)
-            return small
-        data = bytearray()
-        while len(data) < size:
-            want = min(size - len(data), _GROW_CHUNK)
-            chunk = self._call(self.sock.recv, want, deadline)
-            if not chunk:
-                raise Truncated(f"connection closed after {len(data)} of {size} bytes")
-            data += chunk
-        return data
-
-    def recv_targets(
-        self, targets: Iterable[Target], scratch: memoryview, deadline: float | None
-    ) -> None:
-        """Fill each buffer in order; an int target reads that many bytes into ``scratch``
-        and drops them. Targets are pulled lazily, at most ``IOV_MAX`` buffers at a time."""
-        pending: list[memoryview] = []
-        for target in targets:
-            if isinstance(target, int):
-                self._recv_views(pending, deadline)
-                self._drain(target, scratch, deadline)
-            elif target.nbytes:
-                pending.append(byte_view(target))
-                if len(pending) == IOV_MAX:
-                    self._recv_views(pending, deadline)
-        self._recv_views(pending, deadline)
-
-    def _recv_views(self, pending: list[memoryview], deadline: float | None) -> None:
-        """Fill every buffer of ``pending`` (at most ``IOV_MAX``) and empty the list."""
-        while pending:
-            n = self._call(self.sock.recvmsg_into, pending, deadline)[0]
-            if n == 0:
-                raise Truncated("connection closed in the middle of a payload")
-            _advance(pending, n)
-
-    def _drain(self, size: int, scratch: memoryview, deadline: float | None) -> None:
-        while size > 0:
-            n = self.recv_some(scratch[: min(size, scratch.nbytes)], deadline)
-            if n == 0:
-                raise Truncated("connection closed in the middle of a payload")
-            size -= n
-
-    def send_all(self, buffers: Iterable[Any], deadline: float | None) -> None:
-        """Send every buffer in order, gathering up to ``IOV_MAX`` per ``sendmsg``."""
-        source = iter(buffers)
-        pending: list[memoryview] = []
-        while True:
-            for buf in source:
-                view = byte_view(buf)
-                if view.nbytes:
-                    pending.append(view)
-                    if len(pending) == IOV_MAX:
-                        break
-            if not pending:
-                return
-            while pending:
-                _advance(pending, self._send_call(self.sock.sendmsg, pending, deadline))
-
-
-class TlsStream(Stream):
-    """:class:`Stream` over an ``ssl.SSLSocket`` (no ``sendmsg``/``recvmsg_into`` there).
-
-    TLS may need to read while sending or write while receiving (handshakes, key updates):
-    each call waits for whichever its ``SSLWant*`` error names.
-    """
-
-    __slots__ = ()
-    tls = True
-
-    def _call(self, call: Callable[[A], T], arg: A, deadline: float | None) -> T:
+        """``call(arg)`` once TLS can serve it; ``_Eof`` when the peer closed TLS."""
         while True:
             try:
                 return call(arg)
@@ -210,45 +237,87 @@ class TlsStream(Stream):
             except ssl.SSLWantWriteError:
                 self._wait(_OUT, deadline)
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError) as exc:
-                raise Truncated("the peer closed the TLS connection") from exc
+                raise _Eof from exc
 
-    def _send_call(self, call: Callable[[A], T], arg: A, deadline: float | None) -> T:
-        while True:
+    def _fill(self, buf: memoryview, deadline: float | None, before: int = 0) -> None:
+        """Fill ``buf``; PeerClosed (``before`` + what arrived) if the peer closes first."""
+        got = 0
+        while got < buf.nbytes:
             try:
-                return call(arg)
-            except (BlockingIOError, ssl.SSLWantWriteError):
-                self._wait(_OUT, deadline)
-            except ssl.SSLWantReadError:
-                self._wait(_IN, deadline)
-            except (ssl.SSLZeroReturnError, ssl.SSLEOFError) as exc:
-                raise Truncated("the peer closed the TLS connection") from exc
+                n = self._call(self.sock.recv_into, buf[got:], deadline)
+            except _Eof:
+                n = 0
+            if n == 0:
+                raise peer_closed(before + got, "in the middle of a message")
+            got += n
 
-    def recv_awaited(self, buf: memoryview, deadline: float | None) -> int:
+    def recv_first(self, buf: memoryview, deadline: float | None) -> bool:
+        sock = self.sock
+        assert isinstance(sock, ssl.SSLSocket)
         # Bytes TLS already decrypted are no event for poll: take those first.
-        sock = self.sock
-        assert isinstance(sock, ssl.SSLSocket)
-        if sock.pending():
-            return self.recv_some(buf, deadline)
-        return super().recv_awaited(buf, deadline)
+        if not sock.pending():
+            self._wait(_IN, deadline)
+        try:
+            return self._call(sock.recv_into, buf[:1], deadline) == 1
+        except _Eof:
+            return False  # the peer closed TLS between messages
 
-    def handshake(self, deadline: float | None) -> None:
-        """Run the TLS handshake of a socket wrapped with ``do_handshake_on_connect=False``."""
-        sock = self.sock
-        assert isinstance(sock, ssl.SSLSocket)
-        self._call(_handshake_step, sock, deadline)
+    def recv_exact(self, buf: memoryview, deadline: float | None) -> None:
+        self._fill(buf, deadline)
 
-    def _recv_views(self, pending: list[memoryview], deadline: float | None) -> None:
-        for view in pending:
-            self.recv_exact(view, deadline)
-        pending.clear()
+    def recv_into(self, buffers: Sequence[memoryview], deadline: float | None) -> None:
+        for buf in buffers:
+            self._fill(byte_view(buf), deadline)
 
-    def send_all(self, buffers: Iterable[Any], deadline: float | None) -> None:
+    def _send(self, buffers: Sequence[Any], deadline: float | None) -> None:
         for view in _coalesced(buffers):
             sent = 0
             while sent < view.nbytes:
                 # After an SSLWant* error, the same bytes are offered again (as OpenSSL
                 # requires): ``sent`` only moves on a completed write.
-                sent += self._send_call(self.sock.send, view[sent:], deadline)
+                try:
+                    sent += self._call(self.sock.send, view[sent:], deadline)
+                except _Eof:
+                    raise peer_closed(0, "while this side was sending") from None
+
+    def request_reply(
+        self,
+        request: Sequence[Any],
+        reply: memoryview,
+        payloads: Sequence[memoryview],
+        deadline: float | None,
+        *,
+        status_offset: int,
+        crc_spans: Spans | None,
+    ) -> list[int]:
+        """As :meth:`Stream.request_reply`, in Python; the CRCs in one native call after
+        the payloads landed."""
+        self.send_all(request, deadline)
+        self._fill(reply, deadline)
+        received = reply.nbytes
+        status = reply[status_offset : status_offset + len(payloads)]
+        for i, payload in enumerate(payloads):
+            if status[i] == 0:
+                self._fill(payload, deadline, received)
+                received += payload.nbytes
+        if not crc_spans:
+            return []
+        return crc32c_many(
+            [[payloads[i] for i in range(a, b) if status[i] == 0] for a, b in crc_spans]
+        )
+
+    def handshake(self, deadline: float | None) -> None:
+        """Run the TLS handshake of a socket wrapped with ``do_handshake_on_connect=False``."""
+        sock = self.sock
+        assert isinstance(sock, ssl.SSLSocket)
+        try:
+            self._call(_handshake_step, sock, deadline)
+        except _Eof:
+            raise peer_closed(0, "during the TLS handshake") from None
+
+
+class _Eof(Exception):
+    """The peer closed TLS (close_notify, or a bare EOF)."""
 
 
 def _handshake_step(sock: ssl.SSLSocket) -> None:
@@ -271,14 +340,3 @@ def _coalesced(buffers: Iterable[Any]) -> Iterator[memoryview]:
             yield view
     if staged:
         yield memoryview(staged)
-
-
-def _advance(pending: list[memoryview], n: int) -> None:
-    """Drop the ``n`` bytes a partial scatter/gather call moved from the front of ``pending``."""
-    done = 0
-    while n and n >= pending[done].nbytes:
-        n -= pending[done].nbytes
-        done += 1
-    del pending[:done]
-    if n:
-        pending[0] = pending[0][n:]

@@ -1,5 +1,5 @@
-"""The tcp transport's wire spoken by hand, a proxy between a client and a node, and
-in-process nodes given tcp options.
+"""The tcp transport's wire spoken by hand, a proxy between a client and a node, a node
+that answers as a test scripts it, and in-process nodes given tcp options.
 
 For tests that send what a well-behaved client never would, or watch and alter what crosses
 the wire. Frame layouts come from ``kvfabric.transports.tcp_wire`` and the handshake from
@@ -20,9 +20,13 @@ from kvfabric._node.node import DataNode
 from kvfabric.spi import BackendConfig, NodeEndpoint, PluginOptions, TransportConfig
 from kvfabric.transports.tcp_auth import (
     GREETING_SIZE,
+    HELLO_SIZE,
+    NONCE_SIZE,
     PROOF_SIZE,
     client_proof,
     new_nonce,
+    pack_greeting,
+    server_proof,
     unpack_greeting,
 )
 from kvfabric.transports.tcp_wire import ENTRY, HEADER, MAGIC, VERSION, Op
@@ -31,7 +35,9 @@ __all__ = [
     "ENTRY",
     "HEADER",
     "PATIENT",
+    "Answer",
     "Proxy",
+    "ScriptedNode",
     "address",
     "connect",
     "frame",
@@ -194,6 +200,70 @@ class Proxy:
         finally:
             with contextlib.suppress(OSError):
                 dst.shutdown(socket.SHUT_WR)
+
+
+Answer = Callable[[int, int, int, bytes], bytes | None]
+"""What a :class:`ScriptedNode` sends for a frame, given its op, count, request id and
+table: the bytes of its reply (then the node keeps serving), or None to close."""
+
+
+class ScriptedNode:
+    """A node on 127.0.0.1 that runs the real handshake (plain, under ``key``), reads each
+    READ or WRITE frame whole (a WRITE's payloads too) and sends what ``answer`` returns
+    (closing after an error reply, as a node does), for a client's side of replies no real
+    node sends. One connection at a time; counts them."""
+
+    def __init__(self, answer: Answer, key: bytes = b"") -> None:
+        self.answer = answer
+        self.key = key
+        self.connections = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}".encode()
+        self._conns: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def endpoint_like(self, endpoint: NodeEndpoint) -> NodeEndpoint:
+        """``endpoint`` (its regions) at this node's address."""
+        return attrs.evolve(endpoint, address=self.address)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for conn in list(self._conns):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._thread.join(PATIENT)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            self._conns.append(conn)
+            with conn, contextlib.suppress(OSError, AssertionError):
+                self._serve(conn)
+
+    def _serve(self, conn: socket.socket) -> None:
+        nonce = new_nonce()
+        conn.sendall(frame(Op.GREETING, GREETING_SIZE, 0) + pack_greeting(0, nonce))
+        hello = recv_exactly(conn, HEADER.size + HELLO_SIZE)[HEADER.size :]
+        proof = server_proof(self.key, 0, nonce, hello[:NONCE_SIZE])
+        conn.sendall(frame(Op.HELLO, PROOF_SIZE, 0) + proof)
+        while head := conn.recv(HEADER.size, socket.MSG_WAITALL):
+            _, _, op, _, count, rid = HEADER.unpack(head)
+            table = recv_exactly(conn, count * ENTRY.size)
+            if op == Op.WRITE:
+                recv_exactly(conn, sum(e[3] for e in ENTRY.iter_unpack(table)))
+            reply = self.answer(op, count, rid, table)
+            if reply is None:
+                return
+            conn.sendall(reply)
+            if HEADER.unpack_from(reply)[3]:
+                return  # an error reply: a node closes after it
 
 
 def rss_mib(pid: int) -> float:

@@ -632,8 +632,16 @@ static PyObject *stream_error(const char *func, int rc, const kvf_stream *s, uin
     }
 }
 
+/* The iovec scratch a call needs: IOV_MAX entries, or fewer for fewer buffers. A call that
+   waits holds it: IOV_MAX entries are 16 KiB, and a node's thousand connections each
+   waiting for a frame's table held 16 MiB of them. */
+static size_t scratch_entries(Py_ssize_t buffers) {
+    size_t n = buffers > 0 ? (size_t)buffers : 1;
+    return n < iov_max ? n : iov_max;
+}
+
 static void stream_init(kvf_stream *s, int fd, int sending, struct iovec *bufs, size_t count,
-                        int64_t deadline_ns, struct iovec *scratch) {
+                        int64_t deadline_ns, struct iovec *scratch, size_t scratch_len) {
     memset(s, 0, sizeof *s);
     s->fd = fd;
     s->sending = sending;
@@ -641,7 +649,7 @@ static void stream_init(kvf_stream *s, int fd, int sending, struct iovec *bufs, 
     s->count = count;
     s->deadline_ns = deadline_ns;
     s->iov = scratch;
-    s->iov_max = iov_max;
+    s->iov_max = scratch_len;
 }
 
 static PyObject *py_send_all(PyObject *self, PyObject *args, PyObject *kwargs) {
@@ -664,13 +672,13 @@ static PyObject *py_send_all(PyObject *self, PyObject *args, PyObject *kwargs) {
     if (views_init(&vs, n) < 0 || get_views(&vs, fast, 0, "send_all", "buffer") < 0)
         goto done;
     bufs = iovecs_of(vs.v, n);
-    scratch = PyMem_Calloc(iov_max, sizeof(struct iovec));
+    scratch = PyMem_Calloc(scratch_entries(n), sizeof(struct iovec));
     if (!bufs || !scratch) {
         PyErr_NoMemory();
         goto done;
     }
     kvf_stream s;
-    stream_init(&s, fd, 1, bufs, (size_t)n, deadline, scratch);
+    stream_init(&s, fd, 1, bufs, (size_t)n, deadline, scratch, scratch_entries(n));
     Gil g = {NULL, total_len(vs.v, n) < GIL_RELEASE_MIN};
     int rc = run_stream(&s, &g);
     gil_end(&g);
@@ -719,13 +727,13 @@ static PyObject *py_recv_into_all(PyObject *self, PyObject *args, PyObject *kwar
     if (views_init(&vs, n) < 0 || get_views(&vs, fast, 1, func, "buffer") < 0)
         goto done;
     bufs = iovecs_of(vs.v, n);
-    scratch = PyMem_Calloc(iov_max, sizeof(struct iovec));
+    scratch = PyMem_Calloc(scratch_entries(n), sizeof(struct iovec));
     if (!bufs || !scratch) {
         PyErr_NoMemory();
         goto done;
     }
     kvf_stream s;
-    stream_init(&s, fd, 0, bufs, (size_t)n, deadline, scratch);
+    stream_init(&s, fd, 0, bufs, (size_t)n, deadline, scratch, scratch_entries(n));
     if (nspans) {
         s.span_of = span_of;
         s.crcs = crcs;
@@ -802,7 +810,8 @@ static PyObject *py_request_reply(PyObject *self, PyObject *args, PyObject *kwar
         goto done;
     }
     bufs = iovecs_of(vs.v, nsend + 1 + npay);
-    scratch = PyMem_Calloc(iov_max, sizeof(struct iovec));
+    size_t nscratch = scratch_entries(nsend > npay ? nsend : npay);
+    scratch = PyMem_Calloc(nscratch, sizeof(struct iovec));
     if (!bufs || !scratch) {
         PyErr_NoMemory();
         goto done;
@@ -812,11 +821,11 @@ static PyObject *py_request_reply(PyObject *self, PyObject *args, PyObject *kwar
     uint64_t sent = 0, received = 0;
     kvf_stream s;
     Gil g = {NULL, total_len(vs.v, nsend + 1 + npay) < GIL_RELEASE_MIN};
-    stream_init(&s, fd, 1, send_iov, (size_t)nsend, deadline, scratch);
+    stream_init(&s, fd, 1, send_iov, (size_t)nsend, deadline, scratch, nscratch);
     int rc = run_stream(&s, &g);
     sent = s.moved;
     if (rc == KVF_DONE) {
-        stream_init(&s, fd, 0, reply_iov, 1, deadline, scratch);
+        stream_init(&s, fd, 0, reply_iov, 1, deadline, scratch, nscratch);
         rc = run_stream(&s, &g);
         received = s.moved;
     }
@@ -830,7 +839,7 @@ static PyObject *py_request_reply(PyObject *self, PyObject *args, PyObject *kwar
             gated_span_of[k] = span_of[i];
             k++;
         }
-        stream_init(&s, fd, 0, pay_iov, k, deadline, scratch);
+        stream_init(&s, fd, 0, pay_iov, k, deadline, scratch, nscratch);
         if (nspans) {
             s.span_of = gated_span_of;
             s.crcs = crcs;

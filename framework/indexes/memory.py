@@ -12,6 +12,14 @@ Slots in such a window are reused before their grace period ends: the grace is a
 to readers (fewer validation misses), and turning it into a refused put would cost the
 cache its hit rate. A value larger than any region is refused up front, evicting nothing.
 
+With ``replicas=k`` each value is granted on up to k distinct data nodes (the regions with
+the most free bytes, one per node). An entry then holds its copies: the one read first and
+the others (*alternates*), each with a slot and a version of its own. The key is published
+once any copy landed (the first that did is read first; grants the writer did not name are
+dropped), eviction and unpublish take every copy, and a lost node or an invalid record costs
+only that copy: another is promoted. A put of a stored key that lacks copies (a node was
+lost) is granted the missing ones from free space, never by evicting.
+
 Asked for a lookup image (a controller serving one), the index also keeps its published
 entries in one (:mod:`kvfabric.indexes.memory_image`), written under the same lock as the
 entries, so clients can answer lookups without asking. Those lookups do not reach the index;
@@ -39,6 +47,7 @@ from kvfabric.spi import (
     Allocation,
     AllocationKind,
     AllocationRequest,
+    Copies,
     GrantRef,
     IndexConfig,
     IndexPlugin,
@@ -47,6 +56,7 @@ from kvfabric.spi import (
     OptionSpec,
     Region,
     Registry,
+    alternate_key,
     hookimpl,
     parse_size,
     record_size,
@@ -88,6 +98,12 @@ _COUNTERS = (
     "restore_overlaps",
     "touches",
     "touched_keys",
+    "replica_grants",
+    "replica_shortfall",
+    "replica_repairs",
+    "replicas_published",
+    "replicas_dropped",
+    "promotions",
 )
 
 
@@ -97,15 +113,34 @@ class _State(enum.Enum):
 
 
 class _Entry:
-    __slots__ = ("descriptor", "last_use", "lease_deadline", "retention", "size", "state")
+    __slots__ = (
+        "alternates",
+        "descriptor",
+        "grants",
+        "last_use",
+        "lease_deadline",
+        "retention",
+        "size",
+        "state",
+    )
 
     def __init__(self, descriptor: Descriptor, size: int, lease_deadline: float) -> None:
         self.descriptor = descriptor
+        """PENDING: the first grant; PUBLISHED: the copy read first."""
+        self.alternates: tuple[Descriptor, ...] = ()
+        """The other published copies, each on another node."""
+        self.grants: dict[int, Descriptor] | None = None
+        """Version -> copy granted and not published yet (PENDING: all of them, the first
+        included; PUBLISHED: copies granted to repair it); None when there are none."""
         self.size = size
         self.state = _State.PENDING
         self.lease_deadline = lease_deadline
         self.last_use = 0.0
         self.retention = 0
+
+    def copies(self) -> tuple[Descriptor, ...]:
+        """The published copies, the one read first first."""
+        return (self.descriptor, *self.alternates)
 
 
 class MemoryIndex(IndexPlugin):
@@ -115,6 +150,7 @@ class MemoryIndex(IndexPlugin):
     """
 
     name = "memory"
+    supports_replicas = True
     options = (
         OptionSpec(
             name="image",
@@ -134,6 +170,7 @@ class MemoryIndex(IndexPlugin):
             grace=config.grace,
             headroom=config.headroom,
             image_size=config.options.get("image", _IMAGE_SIZE),
+            replicas=config.replicas,
         )
 
     def __init__(
@@ -143,13 +180,18 @@ class MemoryIndex(IndexPlugin):
         grace: float = 2.0,
         headroom: float = 0.05,
         image_size: int = _IMAGE_SIZE,
+        replicas: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``lease``: seconds a writer has between allocate and publish. ``grace``: seconds a
         retired slot waits before reuse. ``headroom``: share of capacity kept free (or on its
         way to free) by evicting ahead of need, so writers rarely wait for a grace period.
         ``image_size``: bytes of the lookup image once asked for one (0: none).
+        ``replicas``: copies of each value, on distinct data nodes.
         """
+        if replicas < 1:
+            raise ValueError("replicas must be at least 1")
+        self._replicas = replicas
         self._lease = lease
         self._grace = grace
         self._headroom = headroom
@@ -225,14 +267,75 @@ class MemoryIndex(IndexPlugin):
             return sum(self._drop_region(space) for space in spaces)
 
     def _drop_region(self, space: RegionSpace) -> int:
+        """The region is gone: its copies go; returns how many entries went with them (an
+        entry with a copy elsewhere stays, that copy promoted)."""
         del self._regions[(space.node, space.region)]
+        dropped = 0
         for key, _ in space.occupants.values():
-            self._entries.pop(key, None)
-            self._lru.pop(key, None)
-            self._image.remove(key)
+            entry = self._entries.get(key)
+            if entry is not None and self._forget_copy(key, entry, space.node, space.region):
+                dropped += 1
         self._retired = deque(r for r in self._retired if r[1] is not space)
         self._retired_bytes -= sum(size for size, _ in space.retired.values())
-        return len(space.occupants)
+        return dropped
+
+    def _forget_copy(self, key: bytes, entry: _Entry, node: int, region: int) -> bool:
+        """Take the entry's copy in (node, region) out of it (its slot is not touched: the
+        caller owns it); True when that was the last copy and the entry went."""
+        if entry.grants:
+            for version, d in list(entry.grants.items()):
+                if (d.node, d.region) == (node, region):
+                    del entry.grants[version]
+            entry.grants = entry.grants or None
+        if entry.state is _State.PENDING:
+            if entry.grants:
+                entry.descriptor = next(iter(entry.grants.values()))
+                return False
+            del self._entries[key]
+            return True
+        copies = entry.copies()
+        kept = tuple(d for d in copies if (d.node, d.region) != (node, region))
+        if len(kept) == len(copies):
+            return False
+        self._counters["replicas_dropped"] += 1
+        if not kept:
+            del self._entries[key]
+            self._lru.pop(key, None)
+            self._hide(key)
+            return True
+        self._set_copies(key, entry, kept)
+        return False
+
+    def _set_copies(self, key: bytes, entry: _Entry, copies: Sequence[Descriptor]) -> None:
+        """A published entry's copies changed (one lost, or one added)."""
+        if copies[0] is not entry.descriptor:
+            self._counters["promotions"] += 1
+        entry.descriptor, entry.alternates = copies[0], tuple(copies[1:])
+        self._show(key, entry)
+
+    # -- the lookup image ------------------------------------------------------------------
+
+    def _show(self, key: bytes, entry: _Entry) -> None:
+        """Put a published entry into the image: its copy read first under its key, each
+        other copy under :func:`alternate_key` (those it no longer has come out)."""
+        image = self._image
+        image.put(entry.descriptor)
+        if self._replicas == 1 or isinstance(image, NoImage):
+            return
+        for n in range(1, self._replicas):
+            if n <= len(entry.alternates):
+                image.put(attrs.evolve(entry.alternates[n - 1], key=alternate_key(key, n)))
+            else:
+                image.remove(alternate_key(key, n))
+
+    def _hide(self, key: bytes) -> None:
+        """Take a key out of the image, its alternates with it."""
+        image = self._image
+        image.remove(key)
+        if self._replicas == 1 or isinstance(image, NoImage):
+            return
+        for n in range(1, self._replicas):
+            image.remove(alternate_key(key, n))
 
     def restore(self, node: int, records: Sequence[Descriptor]) -> int:
         with self._lock:
@@ -245,7 +348,7 @@ class MemoryIndex(IndexPlugin):
                 size = record_size(record.length)
                 if record.offset % SLOT_ALIGN or record.offset + size > space.size:
                     continue
-                if record.key in self._entries or record.offset in space.occupants:
+                if record.offset in space.occupants:
                     self._counters["restore_duplicates"] += 1
                     continue
                 # Nodes report their records addressed (their id, each region's rkey).
@@ -254,6 +357,24 @@ class MemoryIndex(IndexPlugin):
                     if (record.node, record.rkey) == (node, space.rkey)
                     else attrs.evolve(record, node=node, rkey=space.rkey)
                 )
+                entry = self._entries.get(record.key)
+                if entry is not None:
+                    # A key found on two nodes: one more copy while it has fewer than
+                    # ``replicas`` (and none on this node), else a duplicate.
+                    copies = entry.copies()
+                    if (
+                        entry.state is not _State.PUBLISHED
+                        or entry.grants
+                        or len(copies) >= self._replicas
+                        or any(d.node == node for d in copies)
+                        or entry.size != size
+                    ):
+                        self._counters["restore_duplicates"] += 1
+                        continue
+                    space.occupy(record.offset, size, record.key)
+                    self._set_copies(record.key, entry, (*copies, descriptor))
+                    kept += 1
+                    continue
                 entry = _Entry(descriptor, size, lease_deadline=0.0)
                 entry.state = _State.PUBLISHED
                 entry.last_use = now
@@ -273,9 +394,9 @@ class MemoryIndex(IndexPlugin):
                 keys, retired_bytes = space.finish_restore()
                 self._retired_bytes -= retired_bytes
                 for key in keys:
-                    self._entries.pop(key, None)
-                    self._lru.pop(key, None)
-                    self._image.remove(key)
+                    entry = self._entries.get(key)
+                    if entry is not None:
+                        self._forget_copy(key, entry, space.node, space.region)
                 self._counters["restore_overlaps"] += len(keys)
 
     def nodes(self) -> list[NodeInfo]:
@@ -316,6 +437,44 @@ class MemoryIndex(IndexPlugin):
             self._counters["resolve_hits"] += sum(d is not None for d in out)
             return out
 
+    def lookup_copies(self, keys: Sequence[bytes]) -> Copies:
+        with self._lock:
+            now = self._clock()
+            found: list[Descriptor | None] = []
+            alternates: dict[int, tuple[Descriptor, ...]] = {}
+            entries, touch, published = self._entries, self._lru.move_to_end, _State.PUBLISHED
+            for key in keys:
+                entry = entries.get(key)
+                if entry is None or entry.state is not published:
+                    break
+                entry.last_use = now
+                touch(key)
+                if entry.alternates:
+                    alternates[len(found)] = entry.alternates
+                found.append(entry.descriptor)
+            self._counters["lookups"] += 1
+            self._counters["lookup_keys"] += len(keys)
+            self._counters["prefix_hits"] += len(found)
+            return Copies(descriptors=found, alternates=alternates)
+
+    def resolve_copies(self, keys: Sequence[bytes]) -> Copies:
+        with self._lock:
+            now = self._clock()
+            out: list[Descriptor | None] = []
+            alternates: dict[int, tuple[Descriptor, ...]] = {}
+            for i, key in enumerate(keys):
+                entry = self._entries.get(key)
+                if entry is None or entry.state is not _State.PUBLISHED:
+                    out.append(None)
+                    continue
+                self._touch(key, entry, now)
+                if entry.alternates:
+                    alternates[i] = entry.alternates
+                out.append(entry.descriptor)
+            self._counters["resolves"] += 1
+            self._counters["resolve_hits"] += sum(d is not None for d in out)
+            return Copies(descriptors=out, alternates=alternates)
+
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
             self._counters["exists_calls"] += 1
@@ -339,10 +498,9 @@ class MemoryIndex(IndexPlugin):
                 return self._image.region
             if self._image_size <= 0:
                 return None
-            image = MemoryImage(self._image_size)
+            image = self._image = MemoryImage(self._image_size)
             for key in self._lru:
-                image.put(self._entries[key].descriptor)
-            self._image = image
+                self._show(key, self._entries[key])
             return image.region
 
     def _touch(self, key: bytes, entry: _Entry, now: float) -> None:
@@ -374,7 +532,11 @@ class MemoryIndex(IndexPlugin):
                 entry.retention += 1
                 self._touch(req.key, entry, now)
                 self._counters["dedup_hits"] += 1
-                return Allocation(kind=AllocationKind.EXISTS, descriptor=entry.descriptor)
+                return Allocation(
+                    kind=AllocationKind.EXISTS,
+                    descriptor=entry.descriptor,
+                    replicas=self._repair(req, entry, now),
+                )
             self._counters["in_flight"] += 1
             return Allocation(kind=AllocationKind.IN_FLIGHT)
         size = record_size(req.length)
@@ -388,13 +550,56 @@ class MemoryIndex(IndexPlugin):
                 (s.size for s in self._regions.values()), default=0
             )
             return Allocation(kind=AllocationKind.NO_SPACE)
-        placed = self._fit(size)
-        if placed is None:
-            self._make_room(size, now)
-            placed = self._fit(size)
-        if placed is None:
+        first = self._place(req, size, now, set(), evict=True)
+        if first is None:
             self._counters["no_space"] += 1
             return Allocation(kind=AllocationKind.NO_SPACE)
+        entry = _Entry(first, size, now + self._lease)
+        self._entries[req.key] = entry
+        copies = [first]
+        for _ in range(self._replicas - 1):
+            copy = self._place(req, size, now, {d.node for d in copies}, evict=True)
+            if copy is None:
+                self._counters["replica_shortfall"] += self._replicas - len(copies)
+                break
+            copies.append(copy)
+        entry.grants = {d.version: d for d in copies}
+        self._counters["grants"] += 1
+        self._counters["replica_grants"] += len(copies) - 1
+        return Allocation(kind=AllocationKind.GRANTED, descriptor=first, replicas=tuple(copies[1:]))
+
+    def _repair(self, req: AllocationRequest, entry: _Entry, now: float) -> tuple[Descriptor, ...]:
+        """Grants of the copies a stored key lacks (a node holding one was lost), from free
+        space only: a repair never evicts (it might evict the very entry it repairs)."""
+        if entry.grants or self._replicas == 1:
+            return ()
+        copies = entry.copies()
+        if len(copies) >= self._replicas:
+            return ()
+        nodes = {d.node for d in copies}
+        grants: list[Descriptor] = []
+        for _ in range(self._replicas - len(copies)):
+            copy = self._place(req, entry.size, now, nodes, evict=False)
+            if copy is None:
+                break
+            nodes.add(copy.node)
+            grants.append(copy)
+        if grants:
+            entry.grants = {d.version: d for d in grants}
+            entry.lease_deadline = now + self._lease
+            self._counters["replica_repairs"] += len(grants)
+        return tuple(grants)
+
+    def _place(
+        self, req: AllocationRequest, size: int, now: float, exclude: set[int], *, evict: bool
+    ) -> Descriptor | None:
+        """Grant one copy on a node not in ``exclude`` (evicting to make room if allowed)."""
+        placed = self._fit(size, exclude)
+        if placed is None and evict:
+            self._make_room(size, now, exclude)
+            placed = self._fit(size, exclude)
+        if placed is None:
+            return None
         space, offset = placed
         self._next_version += 1
         descriptor = Descriptor(
@@ -407,42 +612,69 @@ class MemoryIndex(IndexPlugin):
             version=self._next_version,
             crc=0,
         )
-        deadline = now + self._lease
-        self._entries[req.key] = _Entry(descriptor, size, deadline)
         space.occupy(offset, size, req.key)
-        self._pending.append((deadline, req.key, descriptor.version))
-        self._counters["grants"] += 1
-        return Allocation(kind=AllocationKind.GRANTED, descriptor=descriptor)
+        self._pending.append((now + self._lease, req.key, descriptor.version))
+        return descriptor
 
     def publish(self, grants: Sequence[GrantRef]) -> list[bool]:
         with self._lock:
             now = self._clock()
             out: list[bool] = []
+            landed: dict[bytes, list[Descriptor]] = {}
             for grant in grants:
-                entry = self._pending_entry(grant)
-                ok = entry is not None and entry.lease_deadline > now
-                if ok and entry is not None:
-                    entry.descriptor = attrs.evolve(entry.descriptor, crc=grant.crc)
-                    entry.state = _State.PUBLISHED
-                    entry.retention = 1
-                    entry.last_use = now
-                    self._lru[grant.key] = None
-                    self._image.put(entry.descriptor)
-                    self._counters["published"] += 1
+                found = self._granted(grant)
+                ok = found is not None and found[0].lease_deadline > now
+                if ok and found is not None:
+                    entry, copy = found
+                    assert entry.grants is not None
+                    del entry.grants[grant.version]
+                    landed.setdefault(grant.key, []).append(attrs.evolve(copy, crc=grant.crc))
                 else:
                     self._counters["publish_rejected"] += 1
                 out.append(ok)
+            for key, copies in landed.items():
+                self._publish_copies(key, self._entries[key], copies, now)
             return out
+
+    def _publish_copies(
+        self, key: bytes, entry: _Entry, copies: list[Descriptor], now: float
+    ) -> None:
+        """Copies of ``key`` landed: it is readable from them; its grants not named go."""
+        for d in (entry.grants or {}).values():
+            self._vacate(key, d, entry.size, now)
+            self._counters["replicas_dropped"] += 1
+        entry.grants = None
+        if entry.state is _State.PENDING:
+            self._counters["replicas_published"] += len(copies) - 1
+            entry.state = _State.PUBLISHED
+            entry.retention = 1
+            entry.last_use = now
+            entry.descriptor, entry.alternates = copies[0], tuple(copies[1:])
+            self._lru[key] = None
+            self._show(key, entry)
+            self._counters["published"] += 1
+        else:
+            # Copies repairing a stored key.
+            self._counters["replicas_published"] += len(copies)
+            self._set_copies(key, entry, (*entry.copies(), *copies))
 
     def abort(self, grants: Sequence[GrantRef]) -> None:
         with self._lock:
             now = self._clock()
             for grant in grants:
-                entry = self._pending_entry(grant)
-                if entry is not None:
-                    # A write may still be landing in the slot: retire it, do not free it.
-                    self._remove(grant.key, entry, now)
-                    self._counters["aborted"] += 1
+                found = self._granted(grant)
+                if found is None:
+                    continue
+                entry, copy = found
+                assert entry.grants is not None
+                del entry.grants[grant.version]
+                # A write may still be landing in the slot: retire it, do not free it.
+                self._vacate(grant.key, copy, entry.size, now)
+                self._counters["aborted"] += 1
+                if not entry.grants:
+                    entry.grants = None
+                    if entry.state is _State.PENDING:
+                        del self._entries[grant.key]
 
     def unpublish(self, keys: Sequence[bytes]) -> int:
         with self._lock:
@@ -458,41 +690,49 @@ class MemoryIndex(IndexPlugin):
 
     def drop_invalid(self, records: Sequence[GrantRef]) -> int:
         """Readers found these published records invalid: unpublish each that is still
-        the published version, so the next put of its key stores it again."""
+        the published version of its copy, so the next put of its key stores it again (a
+        key with another copy keeps it, promoted if need be)."""
         with self._lock:
             now = self._clock()
             dropped = 0
             for record in records:
                 entry = self._entries.get(record.key)
-                if (
-                    entry is not None
-                    and entry.state is _State.PUBLISHED
-                    and entry.descriptor.version == record.version
-                ):
+                if entry is None or entry.state is not _State.PUBLISHED:
+                    continue
+                copies = entry.copies()
+                bad = next((d for d in copies if d.version == record.version), None)
+                if bad is None:
+                    continue
+                dropped += 1
+                if len(copies) == 1:
                     self._remove(record.key, entry, now)
-                    dropped += 1
+                    continue
+                self._vacate(record.key, bad, entry.size, now)
+                self._counters["replicas_dropped"] += 1
+                self._set_copies(record.key, entry, [d for d in copies if d is not bad])
             self._counters["invalid_reports"] += dropped
             return dropped
 
-    def _pending_entry(self, grant: GrantRef) -> _Entry | None:
+    def _granted(self, grant: GrantRef) -> tuple[_Entry, Descriptor] | None:
+        """The entry and the copy a grant names, while it is granted and not published."""
         entry = self._entries.get(grant.key)
-        if (
-            entry is None
-            or entry.state is not _State.PENDING
-            or entry.descriptor.version != grant.version
-        ):
+        if entry is None or not entry.grants:
             return None
-        return entry
+        copy = entry.grants.get(grant.version)
+        return None if copy is None else (entry, copy)
 
     # -- space -------------------------------------------------------------------------
 
-    def _fit(self, size: int) -> tuple[RegionSpace, int] | None:
-        # The region with the most free bytes first: spreads load across nodes.
+    def _fit(self, size: int, exclude: set[int]) -> tuple[RegionSpace, int] | None:
+        # The region with the most free bytes first: spreads load across nodes. Nodes in
+        # ``exclude`` already hold a copy of the value.
         best: RegionSpace | None = None
         for space in self._regions.values():
             alloc = space.allocator
-            if alloc.largest_free() >= size and (
-                best is None or alloc.free_bytes > best.allocator.free_bytes
+            if (
+                alloc.largest_free() >= size
+                and (best is None or alloc.free_bytes > best.allocator.free_bytes)
+                and space.node not in exclude
             ):
                 best = space
         if best is None:
@@ -501,18 +741,28 @@ class MemoryIndex(IndexPlugin):
         assert offset is not None
         return best, offset
 
-    def _make_room(self, size: int, now: float) -> None:
-        """Evict the cheapest contiguous window that holds ``size`` bytes.
+    def _make_room(self, size: int, now: float, exclude: set[int]) -> None:
+        """Evict the cheapest contiguous window that holds ``size`` bytes (on a node not in
+        ``exclude``).
 
         Candidate windows grow around the least recently used entries and the oldest
         retired slots; each is priced by what it would evict (recent and often-stored
         entries cost more). When no candidate window can grow big enough (grants being
         written block it), the oldest entry goes and the search runs again.
         """
-        while not any(s.allocator.largest_free() >= size for s in self._regions.values()):
-            plans = [plan for plan in self._candidate_windows(size, now) if plan is not None]
+        while not any(
+            s.allocator.largest_free() >= size and s.node not in exclude
+            for s in self._regions.values()
+        ):
+            plans = [
+                plan
+                for plan in self._candidate_windows(size, now)
+                if plan is not None and plan.space.node not in exclude
+            ]
             if plans:
                 self._evict_window(min(plans, key=lambda plan: plan.cost), now)
+                return
+            if not any(s.node not in exclude for s in self._regions.values()):
                 return
             if not self._evict_one(now, immediate=True):
                 return
@@ -595,11 +845,21 @@ class MemoryIndex(IndexPlugin):
         return True
 
     def _remove(self, key: bytes, entry: _Entry, now: float, *, immediate: bool = False) -> None:
-        """Take an entry out; its slot retires (or is free at once: ``immediate``, no grace)."""
+        """Take an entry out with every copy; their slots retire (or are free at once:
+        ``immediate``, no grace)."""
         del self._entries[key]
         self._lru.pop(key, None)
-        self._image.remove(key)
-        d = entry.descriptor
+        if entry.state is _State.PUBLISHED:
+            self._hide(key)
+            for d in entry.copies():
+                self._vacate(key, d, entry.size, now, immediate=immediate)
+        for d in (entry.grants or {}).values():
+            self._vacate(key, d, entry.size, now, immediate=immediate)
+
+    def _vacate(
+        self, key: bytes, d: Descriptor, size: int, now: float, *, immediate: bool = False
+    ) -> None:
+        """One copy's slot leaves its key: it retires (or is free at once)."""
         space = self._regions.get((d.node, d.region))
         if space is None or space.occupants.get(d.offset, (None,))[0] != key:
             return
@@ -608,7 +868,7 @@ class MemoryIndex(IndexPlugin):
             space.release(d.offset, token)
             return
         self._retired.append((now + self._grace, space, d.offset, token))
-        self._retired_bytes += entry.size
+        self._retired_bytes += size
 
     def _release_retired(self, now: float) -> None:
         while self._retired and self._retired[0][0] <= now:
@@ -619,10 +879,18 @@ class MemoryIndex(IndexPlugin):
     def _expire_leases(self, now: float) -> None:
         while self._pending and self._pending[0][0] <= now:
             _, key, version = self._pending.popleft()
-            entry = self._pending_entry(GrantRef(key=key, version=version))
-            if entry is not None:
-                self._remove(key, entry, now)
-                self._counters["lease_expiries"] += 1
+            found = self._granted(GrantRef(key=key, version=version))
+            if found is None:
+                continue
+            entry, copy = found
+            assert entry.grants is not None
+            del entry.grants[version]
+            self._vacate(key, copy, entry.size, now)
+            self._counters["lease_expiries"] += 1
+            if not entry.grants:
+                entry.grants = None
+                if entry.state is _State.PENDING:
+                    del self._entries[key]
 
     def tick(self) -> None:
         """Expire leases and free retired slots now (the controller calls this periodically)."""
@@ -651,7 +919,11 @@ class MemoryIndex(IndexPlugin):
                 "free_bytes": free,
                 "retired_bytes": self._retired_bytes,
                 "used_bytes": capacity - free - self._retired_bytes,
-                "stored_payload_bytes": sum(self._entries[k].descriptor.length for k in self._lru),
+                # Every copy's payload.
+                "stored_payload_bytes": sum(
+                    (1 + len(e.alternates)) * e.descriptor.length
+                    for e in map(self._entries.__getitem__, self._lru)
+                ),
                 **self._image.stats(),
             }
 

@@ -3,19 +3,28 @@
 The control plane's map from key to entry, behind an interface so it can be served by a
 controller process, embedded in the caller, or later sharded or backed by a distributed
 store. Every method is batched: one call is one control round trip.
+
+**Replicas.** An index configured with ``replicas=k`` (:attr:`IndexConfig.replicas`) stores
+each value on up to k distinct data nodes. ``allocate`` grants the first copy as today and
+the others in :attr:`Allocation.replicas`; the writer writes every copy and publishes those
+that landed (one :class:`GrantRef` per copy); lookups name the copy to read first and, in
+:class:`Copies`, the others, so a read whose node is dead or whose record fails validation
+tries the next copy in the same call. Indexes without replicas need none of it: the
+``*_copies`` methods default to the plain ones.
 """
 
 from __future__ import annotations
 
 import abc
 import enum
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
 
 from kvfabric.descriptor import Descriptor
-from kvfabric.errors import ProtocolError
+from kvfabric.errors import NotSupportedError, ProtocolError
 from kvfabric.spi.backend import Region
 from kvfabric.spi.codec import Reader, Writer
 from kvfabric.spi.options import Plugin
@@ -26,12 +35,14 @@ __all__ = [
     "Allocation",
     "AllocationKind",
     "AllocationRequest",
+    "Copies",
     "GrantRef",
     "Index",
     "IndexConfig",
     "IndexPlugin",
     "NodeInfo",
     "RegionInfo",
+    "alternate_key",
 ]
 
 
@@ -57,6 +68,12 @@ class Allocation:
     kind: AllocationKind
     descriptor: Descriptor | None = None
     """The grant (GRANTED; its ``crc`` is set when it is published) or the existing record."""
+    replicas: tuple[Descriptor, ...] = ()
+    """With ``replicas`` > 1: grants of further copies of the value, each on a data node no
+    other copy uses. GRANTED: the rest of the copies (fewer than asked for when fewer nodes
+    have room: the index counts the shortfall as ``replica_shortfall``). EXISTS: copies the
+    stored key lacks (a node holding one was lost), granted to repair it from free space; the
+    writer writes and publishes them like any grant."""
 
 
 @attrs.frozen(kw_only=True)
@@ -85,6 +102,28 @@ class GrantRef:
             version=descriptor.version,
             crc=descriptor.crc if crc is None else crc,
         )
+
+
+@attrs.frozen(kw_only=True)
+class Copies:
+    """What a lookup found where values may be stored on several nodes.
+
+    ``descriptors`` is what :meth:`Index.lookup_prefix` (the leading run) or
+    :meth:`Index.resolve` (one per key, None for a miss) returns: the copy to read first.
+    ``alternates`` maps a position in it to the key's other copies, in the order a read
+    tries them; keys stored once are absent.
+    """
+
+    descriptors: Sequence[Descriptor | None]
+    alternates: Mapping[int, tuple[Descriptor, ...]] = attrs.field(factory=dict)
+
+
+def alternate_key(key: bytes, n: int) -> bytes:
+    """Where an index that keeps a lookup image files the ``n``-th other copy (n >= 1) of
+    ``key``'s value: a bucket of its own under this derived key, so the image keeps one
+    descriptor per bucket and lookups probe exactly what they did. A reader whose copy
+    failed probes it and puts ``key`` back into the descriptor it finds."""
+    return hashlib.blake2b(key, digest_size=32, person=b"kvf-alt%d" % n).digest()
 
 
 MAX_REGIONS = 4096
@@ -194,6 +233,14 @@ class Index(abc.ABC):
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is published."""
 
+    def lookup_copies(self, keys: Sequence[bytes]) -> Copies:
+        """:meth:`lookup_prefix`, with the other copies of each key found (same call)."""
+        return Copies(descriptors=self.lookup_prefix(keys))
+
+    def resolve_copies(self, keys: Sequence[bytes]) -> Copies:
+        """:meth:`resolve`, with the other copies of each key found (same call)."""
+        return Copies(descriptors=self.resolve(keys))
+
     @abc.abstractmethod
     def allocate(self, requests: Sequence[AllocationRequest]) -> AllocateResult:
         """Per key: EXISTS (retention +1), IN_FLIGHT, a GRANTED slot with a lease, or NO_SPACE."""
@@ -204,6 +251,10 @@ class Index(abc.ABC):
 
         The CRC comes with the publish, not the allocate, so a put of values that are
         already stored costs one round trip and no checksum at all.
+
+        With replicas, one grant per copy that landed: the key becomes visible with those
+        copies and its grants not named are dropped (their slots retire), so a copy whose
+        node failed costs no abort call. True for each copy now readable through the key.
         """
 
     @abc.abstractmethod
@@ -218,7 +269,8 @@ class Index(abc.ABC):
     def drop_invalid(self, records: Sequence[GrantRef]) -> int:
         """A reader found these published records invalid (torn, overwritten by a late
         writer): unpublish each whose published version still matches, so the next put of
-        its key stores it again; returns how many went."""
+        its key stores it again; returns how many went. With replicas only that copy goes
+        (each copy has a version of its own); the key stays readable from the others."""
 
     @abc.abstractmethod
     def stats(self) -> dict[str, int]:
@@ -246,6 +298,13 @@ class IndexConfig:
     address: str = ""
     """HOST:PORT from the store URL (``kvfabric://HOST:PORT?index=NAME``), for a shared index
     that lives elsewhere; empty when none was given."""
+    replicas: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    """Copies of each value, on distinct data nodes (fewer when fewer nodes have room).
+    Set where the index's writes are decided: ``kvfabric controller --replicas K``,
+    ``embedded://?replicas=K``, or for a shared index the writers' URL
+    (``kvfabric://HOST:PORT?index=redis&replicas=K``). Readers need not know it: lookups
+    return the copies there are. An index whose class says ``supports_replicas = False``
+    refuses more than 1."""
 
 
 class IndexPlugin(Plugin, Index):
@@ -263,11 +322,22 @@ class IndexPlugin(Plugin, Index):
     """
 
     shared: ClassVar[bool] = False
+    supports_replicas: ClassVar[bool] = False
+    """Whether the index can keep values on several nodes (``IndexConfig.replicas`` > 1)."""
 
     @classmethod
     @abc.abstractmethod
     def create(cls, config: IndexConfig) -> IndexPlugin:
         """A new, empty index."""
+
+    @classmethod
+    def check_replicas(cls, replicas: int) -> None:
+        """Raise :class:`NotSupportedError` when ``replicas`` asks more than the index can."""
+        if replicas > 1 and not cls.supports_replicas:
+            raise NotSupportedError(
+                f"index {cls.name!r} keeps one copy of each value: replicas={replicas} needs "
+                "an index that supports replicas (memory, redis)"
+            )
 
     @abc.abstractmethod
     def register_node(self, info: NodeInfo) -> NodeInfo:

@@ -6,9 +6,11 @@ For 64 chunks of 4 MiB and of 256 KiB: the floor is a child process that ``senda
 bytes on a plain socket to this process, which ``recv_into``s one preallocated buffer. The
 transport rows run a real tcp data node process (and its controller) and time one client's
 batched read (one segment per chunk; and as records: a 64-byte header segment plus the
-payload segment at the adjacent offset) and write of the same bytes. Samples are taken
-round-robin, so load from elsewhere on the machine hits every row alike. Prints medians,
-GB/s and the ratio to the floor measured in the same run.
+payload segment at the adjacent offset; and those records checksummed, as a store reads
+them) and write of the same bytes. Samples are taken round-robin, so load from elsewhere
+on the machine hits every row alike. Prints medians, GB/s, the ratio to the floor measured
+in the same run, and the most times one call took the GIL back (counted by kvfabric's
+native module in this thread: a plain tcp frame is one native call).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvfabric._tools.cluster import Cluster
+from kvfabric.spi import native
 from kvfabric.spi.transport import NodeEndpoint, Segment, TransportClient, TransportConfig
 from kvfabric.transports.tcp import TcpTransport
 
@@ -54,17 +57,21 @@ def _raw_server(capacity: int) -> None:
     conn.close()
 
 
-def _medians(fns: list[Callable[[], object]], repeat: int) -> list[float]:
-    """Median time of each, sampled round-robin so load from elsewhere hits all alike."""
+def _medians(fns: list[Callable[[], object]], repeat: int) -> list[tuple[float, int]]:
+    """Median time of each and the most GIL returns of one call, sampled round-robin so
+    load from elsewhere hits all alike."""
     for fn in fns:
         fn()  # warm up: page faults, socket windows, the connection pool
     samples: list[list[float]] = [[] for _ in fns]
+    returns = [0] * len(fns)
     for _ in range(repeat):
-        for fn, times in zip(fns, samples, strict=True):
+        for i, (fn, times) in enumerate(zip(fns, samples, strict=True)):
+            before = native.gil_reacquisitions()
             started = time.perf_counter()
             fn()
             times.append(time.perf_counter() - started)
-    return [statistics.median(times) for times in samples]
+            returns[i] = max(returns[i], native.gil_reacquisitions() - before)
+    return [(statistics.median(t), n) for t, n in zip(samples, returns, strict=True)]
 
 
 def _floor(sock: socket.socket, count: int, size: int) -> Callable[[], None]:
@@ -91,9 +98,20 @@ def _batch(client: TransportClient, op: str, segments: list[Segment]) -> Callabl
     return run
 
 
+def _checksummed(
+    client: TransportClient, segments: list[Segment], spans: list[tuple[int, int]]
+) -> Callable[[], None]:
+    def run() -> None:
+        errors, crcs = client.read_checksummed(1, segments, spans)
+        assert errors == [None] * len(segments)
+        assert len(crcs) == len(spans)
+
+    return run
+
+
 def _table(
     sock: socket.socket, endpoint: NodeEndpoint, count: int, size: int, repeat: int
-) -> list[tuple[str, float]]:
+) -> list[tuple[str, float, int]]:
     handle = endpoint.regions[0]
     stride = _HEADER + size
 
@@ -113,11 +131,14 @@ def _table(
             "raw socket recv_into (floor)": _floor(sock, count, size),
             "tcp read": _batch(client, "read", [at(i, d) for i, d in enumerate(dests)]),
             "tcp read as records (64 B header + payload)": _batch(client, "read", records),
+            "tcp read as records, checksummed": _checksummed(
+                client, records, [(2 * i + 1, 2 * i + 2) for i in range(count)]
+            ),
             "tcp write": _batch(client, "write", [at(i, p) for i, p in enumerate(payloads)]),
         }
-        seconds = _medians(list(rows.values()), repeat)
+        measured = _medians(list(rows.values()), repeat)
         assert all(d.tobytes() == p for d, p in zip(dests, payloads, strict=True))
-        return list(zip(rows, seconds, strict=True))
+        return [(name, t, n) for name, (t, n) in zip(rows, measured, strict=True)]
     finally:
         client.close()
 
@@ -149,11 +170,12 @@ def main(argv: list[str] | None = None) -> int:
                 rows = _table(sock, endpoint, count, size, args.repeat)
                 floor = rows[0][1]
                 print(f"\n{count} x {size >> 10} KiB ({total >> 20} MiB), median of {args.repeat}")
-                print(f"{'path':<46} {'median ms':>10} {'GB/s':>8} {'x floor':>8}")
-                for name, seconds in rows:
+                print(f"{'path':<46} {'median ms':>10} {'GB/s':>8} {'x floor':>8} {'GIL':>5}")
+                for name, seconds, returns in rows:
+                    gil = "-" if name.startswith("raw") else str(returns)
                     print(
                         f"{name:<46} {seconds * 1e3:>10.2f} {total / seconds / 1e9:>8.2f} "
-                        f"{floor / seconds:>8.2f}"
+                        f"{floor / seconds:>8.2f} {gil:>5}"
                     )
             sock.sendall(_REQUEST.pack(0, 0))
     finally:

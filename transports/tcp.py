@@ -7,8 +7,9 @@ client keeps a pool of authenticated connections per node. The pieces, one job e
 - ``tcp_wire``: the frame format (version 2) and its limits;
 - ``tcp_auth``: the per-connection challenge and response: the secret never crosses the
   wire, and a recorded handshake is refused on any other connection;
-- ``tcp_stream``: socket loops bounded by deadlines (``IOV_MAX`` buffers per call), plain
-  or TLS;
+- ``tcp_stream``: socket I/O bounded by deadlines: plain, kvfabric's native loops (a
+  client's frame, request to last payload with its CRC32Cs, is one native call that takes
+  the GIL back once); with TLS, Python's ``ssl`` (the GIL back per ``ssl`` call);
 - ``tcp_tls``: optional TLS (``tcp.tls=true``) from the standard library's ``ssl``;
 - ``tcp_gate``: the node's accept loop, where connections that have not authenticated
   wait, bounded in number, time and memory;

@@ -4,6 +4,16 @@ A :class:`~kvfabric.spi.PeerClient` (peer table, segment checks and error mappin
 inherited). Per node it keeps a few idle connections (``tcp.pool``, default 8), so
 concurrent calls do not serialize and the handshake is paid per connection, not per call.
 A batch of more than ``MAX_COUNT`` segments goes as several frames on one connection.
+
+Over plain tcp a frame is one native call (``kvfabric.spi.request_reply``): the request
+(a write's payloads in it), the reply's status table, then a read's accepted payloads,
+each read record's CRC32C taken as its bytes land (``Batch.crcs``), with the GIL released
+once. A 64 x 4 MiB read or write takes it back once; a checksummed write twice (the
+sources' CRCs in one native call first: the records' headers, made from them, travel in
+the same frame). Beside a busy Python thread each return waits out the switch interval
+(5 ms), so the count is what matters. With TLS, Python's ``ssl`` moves the bytes and takes
+the GIL back per call: about one per 16 KiB TLS record received (a 64 x 4 MiB read,
+~17,000), one per send.
 Every call is bounded by ``config.timeout`` as a whole, connecting included; a connection
 that failed or timed out is closed, never reused. A pooled connection the node closed (it
 restarted, shut down, or closed it for idling) is retried once on a fresh one: reads and

@@ -43,10 +43,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-from gil_bench import Busy, BusyProcess
+from gil_bench import BusyProcess
 
 import kvfabric
 from kvfabric import PutOutcome, Store, chain_keys
+from kvfabric._tools.busy import BusyThread
 from kvfabric._tools.cluster import Cluster
 from kvfabric.errors import PluginError
 from kvfabric.spi import native, parse_size, plugin_manager
@@ -80,10 +81,10 @@ def _env(extra: dict[str, str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _beside(side: str) -> Iterator[Busy | None]:
+def _beside(side: str) -> Iterator[BusyThread | None]:
     """Nothing, a busy thread, or a busy process, for the length of the block."""
     if side == "thread":
-        with Busy() as busy:
+        with BusyThread() as busy:
             yield busy
     elif side == "process":
         with BusyProcess():
@@ -133,7 +134,7 @@ def _timed(fn: Callable[[], object]) -> tuple[float, int]:
 
 
 def _idle_rate(seconds: float = 0.3) -> float:
-    with Busy() as busy:
+    with BusyThread() as busy:
         start, t0 = busy.count, time.perf_counter()
         time.sleep(seconds)
         return (busy.count - start) / (time.perf_counter() - t0)

@@ -37,7 +37,6 @@ import statistics
 import struct
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -45,34 +44,12 @@ from typing import Any
 import crc32c
 import numpy as np
 
+from kvfabric._tools.busy import BusyThread
 from kvfabric.spi import native, parse_size
 
 _REQUEST = struct.Struct("<QQ")  # count, size; (0, 0) ends the sender
 # One way of handling a batch; returns how many times it took the GIL back.
 Row = Callable[[], int]
-
-
-class Busy:
-    """A pure-Python counting loop on its own thread."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop:
-            self.count += 1
-
-    def __enter__(self) -> Busy:
-        self._thread.start()
-        while self.count == 0:
-            time.sleep(0.001)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop = True
-        self._thread.join()
 
 
 class BusyProcess:
@@ -106,7 +83,7 @@ def _loop(fn: Row, seconds: float) -> tuple[int, float, int]:
 
 
 def _idle_rate(seconds: float) -> float:
-    with Busy() as busy:
+    with BusyThread() as busy:
         start, t0 = busy.count, time.perf_counter()
         time.sleep(seconds)
         return (busy.count - start) / (time.perf_counter() - t0)
@@ -117,7 +94,7 @@ def sample(fn: Row, batch_bytes: int, seconds: float, idle: float) -> tuple[floa
     rate the busy thread kept; the GIL returns per batch."""
     batches, elapsed, returns = _loop(fn, seconds)
     alone = batches * batch_bytes / elapsed / 1e9
-    with Busy() as busy:
+    with BusyThread() as busy:
         start = busy.count
         t0 = time.perf_counter()
         batches, elapsed, _ = _loop(fn, seconds)

@@ -9,12 +9,13 @@ the constants here so the report finds what the measuring code wrote.
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import attrs
+
+from kvfabric._tools.busy import BusyThread
 
 __all__ = [
     "CONTAINS",
@@ -29,7 +30,6 @@ __all__ = [
     "RTT",
     "STREAM",
     "BenchRow",
-    "Busy",
     "beside_busy",
     "median_seconds",
 ]
@@ -104,31 +104,6 @@ def median_seconds(
     return statistics.median(samples)
 
 
-class Busy:
-    """A pure-Python counting loop on its own thread: an engine's scheduler or event loop,
-    standing in. Each time a reader takes the GIL back beside it, the reader waits out
-    about one switch interval."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop:
-            self.count += 1
-
-    def __enter__(self) -> Busy:
-        self._thread.start()
-        while self.count == 0:
-            time.sleep(0.001)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop = True
-        self._thread.join()
-
-
 def _loop(fn: Callable[[], object], seconds: float) -> float:
     """Seconds per call of ``fn``, called in a loop for about ``seconds`` (at least twice)."""
     calls = 0
@@ -142,15 +117,15 @@ def _loop(fn: Callable[[], object], seconds: float) -> float:
 
 
 def beside_busy(fn: Callable[[], object], seconds: float) -> tuple[float, float, float]:
-    """``fn`` in a loop alone, then beside a :class:`Busy` thread: (seconds per call alone,
-    beside it, and the share of its idle counting rate the busy thread kept meanwhile)."""
+    """``fn`` in a loop alone, then beside a busy thread (:class:`BusyThread`): (seconds
+    per call alone, beside it, and the share of its idle counting rate the thread kept)."""
     fn()  # warm up
     alone = _loop(fn, seconds)
-    with Busy() as busy:
+    with BusyThread() as busy:
         start, t0 = busy.count, time.perf_counter()
         time.sleep(min(seconds, 0.3))
         idle = (busy.count - start) / (time.perf_counter() - t0)
-    with Busy() as busy:
+    with BusyThread() as busy:
         start, t0 = busy.count, time.perf_counter()
         beside = _loop(fn, seconds)
         kept = (busy.count - start) / (time.perf_counter() - t0) / idle

@@ -17,6 +17,7 @@ Subclass a mixin in your test module and override its fixtures::
 Every test asserts an outcome (bytes, counts, errors); none asserts a timing.
 """
 
+from kvfabric._tools.busy import BusyThread
 from kvfabric._tools.cluster import Cluster, free_port
 from kvfabric.testing.hooks import corrupt_payload, resolve_descriptor
 from kvfabric.testing.index_suite import IndexConformance, MakeIndex
@@ -32,6 +33,7 @@ from kvfabric.testing.transport_suite import (
 )
 
 __all__ = [
+    "BusyThread",
     "Cluster",
     "IndexConformance",
     "MakeClient",

@@ -36,7 +36,7 @@ from kvfabric.spi import (
     new_rkey,
     plugin_manager,
 )
-from kvfabric.testing import Cluster
+from kvfabric.testing import BusyThread, Cluster
 
 _COUNT = 64
 _SIZE = 4 << 20
@@ -66,29 +66,6 @@ def store() -> Iterator[Store]:
 
 def _dests(count: int = _COUNT, size: int = _SIZE) -> list[np.ndarray[Any, Any]]:
     return [np.ones(size, dtype=np.uint8) for _ in range(count)]  # touched: no faults
-
-
-class _Busy:
-    """A pure-Python counting loop (an engine's scheduler or event loop, standing in)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop:
-            self.count += 1
-
-    def __enter__(self) -> _Busy:
-        self._thread.start()
-        while self.count == 0:
-            time.sleep(0.001)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop = True
-        self._thread.join()
 
 
 def _returns(fn: Any) -> tuple[Any, int, float]:
@@ -162,7 +139,7 @@ def test_a_busy_python_thread_keeps_running_beside_large_reads_and_every_read_va
         return time.perf_counter() - started
 
     alone = read_rounds()
-    with _Busy() as busy:
+    with BusyThread() as busy:
         before = busy.count
         beside = read_rounds()
         counted = busy.count - before

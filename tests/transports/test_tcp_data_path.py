@@ -33,7 +33,7 @@ from kvfabric.spi import (
     crc32c_many,
     native,
 )
-from kvfabric.testing import RegionServer, open_client, segment_for
+from kvfabric.testing import BusyThread, RegionServer, open_client, segment_for
 from kvfabric.transports.tcp_wire import MAX_COUNT, Code, Op
 
 _MIB = 1 << 20
@@ -75,29 +75,6 @@ def _returns(fn: Callable[[], Any]) -> tuple[Any, int, float]:
     started = time.perf_counter()
     result = fn()
     return result, native.gil_reacquisitions() - before, time.perf_counter() - started
-
-
-class _Busy:
-    """A pure-Python counting loop (an engine's scheduler or event loop, standing in)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop:
-            self.count += 1
-
-    def __enter__(self) -> _Busy:
-        self._thread.start()
-        while self.count == 0:
-            time.sleep(0.001)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop = True
-        self._thread.join()
 
 
 # -- the GIL ------------------------------------------------------------------------------
@@ -164,7 +141,7 @@ def test_a_busy_python_thread_beside_a_large_read_keeps_running_and_costs_one_re
     rounds = 3
     returns: list[int] = []
     counted: list[int] = []
-    with _Busy() as busy:
+    with BusyThread() as busy:
         for _ in range(rounds):
             before = busy.count
             errors, taken, seconds = _returns(lambda: client.read(1, reads))

@@ -25,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfabric.spi import checksum_pieces, native
+from kvfabric.testing import BusyThread
 
 SIZES = [0, 1, 7, 8, 9, 63, 64, 255, 256, 767, 768, 769, 8191, 24575, 24576, 24577, 100_003]
 DATA = np.random.default_rng(12).bytes(1 << 21)
@@ -615,33 +616,10 @@ def test_request_reply_refuses_a_reply_without_a_status_byte_per_payload() -> No
 # -- the GIL ------------------------------------------------------------------------------
 
 
-class _BusyThread:
-    """A pure-Python counting loop (an engine's scheduler or event loop, standing in)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop:
-            self.count += 1
-
-    def __enter__(self) -> _BusyThread:
-        self._thread.start()
-        while self.count == 0:
-            time.sleep(0.001)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop = True
-        self._thread.join()
-
-
 def test_a_busy_thread_keeps_counting_while_a_large_crc_batch_runs() -> None:
     piece = memoryview(DATA)
     values = [[piece] * 4 for _ in range(128)]  # 1 GiB of CRC work, 512 pieces
-    with _BusyThread() as busy:
+    with BusyThread() as busy:
         before_count, before_gil = busy.count, native.gil_reacquisitions()
         started = time.perf_counter()
         crcs = native.crc32c_many(values)
@@ -661,7 +639,7 @@ def test_a_busy_thread_keeps_counting_while_a_large_receive_runs(
     payload = memoryview(np.random.default_rng(6).bytes(chunk * 64))
     sources = [payload[i : i + chunk] for i in range(0, payload.nbytes, chunk)]
     targets = [bytearray(chunk) for _ in range(64)]
-    with _BusyThread() as busy:
+    with BusyThread() as busy:
         join = _in_thread(lambda: native.send_all(client, sources, time.monotonic() + 60))
         before_count, before_gil = busy.count, native.gil_reacquisitions()
         crcs = native.recv_into_all(

@@ -39,6 +39,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _replicas(text: str) -> int:
+    value = _positive_int(text)
+    if not 1 <= value <= 16:
+        raise ConfigError(f"copies of a value: 1 to 16, got {text!r}")
+    return value
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -90,6 +97,9 @@ class EmbeddedOptions(ClientOptions):
     lease: float = 30.0
     grace: float = 2.0
     headroom: float = 0.05
+    replicas: int = 1
+    """Copies of each value, on distinct data nodes (of the index's nodes: a shared index's
+    embedded stores in several processes)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -102,6 +112,10 @@ class RemoteOptions(ClientOptions):
 
     index: str | None = None
     """A shared index plugin to use directly (HOST:PORT is then its address)."""
+    replicas: int = 1
+    """With ``index=NAME``: copies of each value this client stores, on distinct data nodes
+    (readers need not say it: lookups return the copies there are). A controller decides
+    it for its clients (``kvfabric controller --replicas K``)."""
     control_timeout: float = 1.0
     """Bound on one control round trip; past it the lookup is a miss."""
     retry_interval: float = 1.0
@@ -125,6 +139,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "lease": parse_duration,
     "grace": parse_duration,
     "headroom": _fraction,
+    "replicas": _replicas,
     "control_timeout": parse_duration,
     "retry_interval": parse_duration,
     "secret_file": str,
@@ -157,6 +172,12 @@ def parse_url(url: str) -> StoreUrl:
     if scheme == "kvfabric" and (not parts.hostname or port is None):
         raise ConfigError(f"kvfabric:// needs the controller's HOST:PORT, got {url!r}")
     values = _parse_query(scheme, parts.query, options_cls)
+    if scheme == "kvfabric" and values.get("replicas", 1) != 1 and not values.get("index"):
+        raise ConfigError(
+            f"replicas in {url!r}: a controller decides how many copies its clients store "
+            "(kvfabric controller --replicas K); a client says it only with a shared "
+            "index (index=NAME)"
+        )
     try:
         options = options_cls(**values)
     except (TypeError, ValueError) as exc:

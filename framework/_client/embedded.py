@@ -48,6 +48,7 @@ _SERVICE_OPTIONS = (
     "lease",
     "grace",
     "headroom",
+    "replicas",
     "transport",
     "plugin_options",
 )
@@ -115,11 +116,13 @@ def _start(
     service_options: tuple[object, ...],
 ) -> _Services:
     index_cls = plugins.index(options.index)
+    index_cls.check_replicas(options.replicas)
     index_config = IndexConfig(
         lease=options.lease,
         grace=options.grace,
         headroom=options.headroom,
         options=settings.claim(index_cls),
+        replicas=options.replicas,
     )
     region_size = min(options.region_size, options.capacity)
     check_capacity(

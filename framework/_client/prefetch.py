@@ -10,6 +10,10 @@ the image costs a few microseconds, and filling a dict and building a ``Descript
 would cost more than the lookup. The per-key work happens when a read takes them: batches
 are indexed by key then (newest wins) and descriptors built from their wire form one at a
 time. A lookup that no read follows never pays for it.
+
+Where values have copies on several nodes, a batch also keeps each key's other copies as
+the lookup returned them, for the read to fall over to. A batch from the lookup image, or
+handed over by another process, does not hold them: a read that needs them asks the image.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import repeat
 
 from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
@@ -25,11 +29,24 @@ from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
 __all__ = ["PrefetchCache"]
 
 
+Alternates = Mapping[int, tuple[Descriptor, ...]]
+
+
 class _Batch:
     """One lookup's hits: ``keys[i]``'s descriptor is ``descriptors[i]`` or the i-th wire
-    form in ``wires``. Entries before ``start`` were pushed out by newer ones."""
+    form in ``wires``, its other copies ``alternates[i]`` (absent: none known). Entries
+    before ``start`` were pushed out by newer ones."""
 
-    __slots__ = ("absorbed", "descriptors", "expires", "keys", "positions", "start", "wires")
+    __slots__ = (
+        "absorbed",
+        "alternates",
+        "descriptors",
+        "expires",
+        "keys",
+        "positions",
+        "start",
+        "wires",
+    )
 
     def __init__(
         self,
@@ -38,11 +55,13 @@ class _Batch:
         *,
         descriptors: Sequence[Descriptor] = (),
         wires: bytes = b"",
+        alternates: Alternates | None = None,
     ) -> None:
         self.keys = keys
         self.expires = expires
         self.descriptors = descriptors
         self.wires = wires
+        self.alternates = alternates
         self.start = 0
         self.absorbed = False
         self.positions: dict[bytes, int] | None = None
@@ -50,15 +69,11 @@ class _Batch:
     def live(self) -> int:
         return len(self.keys) - self.start
 
-    def get(self, key: bytes) -> Descriptor | None:
+    def find(self, key: bytes) -> int | None:
         if self.positions is None:
             self.positions = dict(zip(self.keys, range(len(self.keys)), strict=True))
         i = self.positions.get(key)
-        if i is None or i < self.start:
-            return None
-        if self.descriptors:
-            return self.descriptors[i]
-        return Descriptor.from_bytes(self.wires, i * DESCRIPTOR_SIZE)
+        return None if i is None or i < self.start else i
 
 
 def _same_run(a: Sequence[bytes], b: Sequence[bytes]) -> bool:
@@ -96,12 +111,25 @@ class PrefetchCache:
             self._absorb()
             return len(self._index)
 
-    def remember(self, descriptors: Sequence[Descriptor]) -> None:
-        """Keep a lookup's leading run of hits; the oldest entries make room."""
+    def remember(
+        self, descriptors: Sequence[Descriptor], alternates: Alternates | None = None
+    ) -> None:
+        """Keep a lookup's leading run of hits; the oldest entries make room.
+
+        ``alternates``: position -> the other copies of that key, as the lookup returned
+        them (keys stored once are absent).
+        """
         if self.max_entries == 0 or not descriptors:
             return
         expires = self._clock() + self.ttl
-        self._add(_Batch([d.key for d in descriptors], expires, descriptors=descriptors))
+        self._add(
+            _Batch(
+                [d.key for d in descriptors],
+                expires,
+                descriptors=descriptors,
+                alternates=alternates,
+            )
+        )
 
     def remember_wires(self, keys: Sequence[bytes], wires: bytes) -> None:
         """The same for descriptors given as wire forms, one per key in order."""
@@ -111,20 +139,36 @@ class PrefetchCache:
 
     def take(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
         """The cached descriptor of each key (``None`` if absent or expired)."""
+        return self.take_copies(keys)[0]
+
+    def take_copies(
+        self, keys: Sequence[bytes]
+    ) -> tuple[list[Descriptor | None], dict[int, tuple[Descriptor, ...]]]:
+        """The cached descriptor of each key, and by position the other copies known of
+        those that have some."""
         with self._lock:
             self._absorb()
             now = self._clock()
             index = self._index
             out: list[Descriptor | None] = []
+            others: dict[int, tuple[Descriptor, ...]] = {}
             for key in keys:
                 batch = index.get(key)
                 found = None
                 if batch is not None:
-                    found = batch.get(key) if batch.expires > now else None
-                    if found is None:
+                    i = batch.find(key) if batch.expires > now else None
+                    if i is None:
                         del index[key]
+                    else:
+                        found = (
+                            batch.descriptors[i]
+                            if batch.descriptors
+                            else Descriptor.from_bytes(batch.wires, i * DESCRIPTOR_SIZE)
+                        )
+                        if batch.alternates and i in batch.alternates:
+                            others[len(out)] = batch.alternates[i]
                 out.append(found)
-            return out
+            return out, others
 
     def drop(self, keys: Iterable[bytes]) -> None:
         with self._lock:

@@ -59,6 +59,9 @@ class ReadReport:
     refused: int = 0
     """Records a node or transport refused (unknown region, bad rkey, out of bounds): the
     route may be stale (the node restarted), so the store relearns the nodes."""
+    unreachable: list[int] = attrs.field(factory=list)
+    """Indices of records that did not land: their node failed or refused them (where
+    another copy of the value exists, the store reads that one)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -144,6 +147,7 @@ class RecordIO:
             {n: functools.partial(self._read_node, n, items) for n, items in per_node.items()}
         )
         invalid: list[int] = []
+        unreachable: list[int] = []
         landed = 0
         failed_nodes = 0
         for node, items in per_node.items():
@@ -151,6 +155,7 @@ class RecordIO:
             if isinstance(outcome, BaseException):
                 log.warning("kvfabric: read from node %d failed (%s): misses", node, outcome)
                 failed_nodes += 1
+                unreachable += [item.index for item in items]
                 continue
             landed += outcome
             for item in items:
@@ -158,6 +163,7 @@ class RecordIO:
                     values[item.index] = item.result
                 elif item.refused:
                     refused += 1
+                    unreachable.append(item.index)
                 else:
                     invalid.append(item.index)
         return ReadReport(
@@ -166,6 +172,7 @@ class RecordIO:
             payload_bytes=landed,
             failed_nodes=failed_nodes,
             refused=refused,
+            unreachable=unreachable,
         )
 
     def write(

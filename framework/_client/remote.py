@@ -96,7 +96,10 @@ def _open_shared(
     try:
         cls = plugins.index(options.index)
         check_shared(cls)
-        config = IndexConfig(options=settings.claim(cls), address=f"{host}:{port}")
+        cls.check_replicas(options.replicas)
+        config = IndexConfig(
+            options=settings.claim(cls), address=f"{host}:{port}", replicas=options.replicas
+        )
         settings.check_all_claimed("store")
         index = cls.create(config)
     except BaseException:

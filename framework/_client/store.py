@@ -18,6 +18,13 @@ index, in one call. Those lookups are counted apart from control RPCs (``oneside
 the background (:mod:`~kvfabric._client.touches`) so its eviction still sees them. Stale
 hits are harmless: the read validates every record, and re-resolves by RPC.
 
+Where the index keeps values on several nodes (``replicas``), lookups return every copy and
+the prefetch cache keeps them; a read whose node failed or whose record did not validate is
+read again from the key's next copy in the same call (a second round of record I/O for
+those records only, no control call; a descriptor from the lookup image finds its other
+copies in the image). A put writes every copy it was granted and publishes those that
+landed.
+
 The read contract: ``batched_contains``, ``batched_exists``, ``batched_get``,
 ``batched_get_scattered`` and ``locate`` never raise because a controller, a data node or a
 transport failed (unreachable, an error reply, a malformed reply, a timeout): they count the
@@ -33,16 +40,18 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+
+import attrs
 
 from kvfabric._client.image_reader import ImageReader, ImageSlot
 from kvfabric._client.prefetch import PrefetchCache
 from kvfabric._client.record_io import RecordIO, value_pieces
 from kvfabric._client.touches import TouchReporter
 from kvfabric._node.node import DataNode
-from kvfabric.descriptor import Descriptor
+from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
 from kvfabric.errors import (
     ControllerUnavailableError,
     InvalidKeyError,
@@ -54,7 +63,15 @@ from kvfabric.keys import KEY_SIZE
 from kvfabric.options import ClientOptions
 from kvfabric.spi.counters import CLIENT_COUNTERS, Counters
 from kvfabric.spi.image import ImageStop
-from kvfabric.spi.index import AllocationKind, AllocationRequest, GrantRef, Index, IndexPlugin
+from kvfabric.spi.index import (
+    AllocationKind,
+    AllocationRequest,
+    Copies,
+    GrantRef,
+    Index,
+    IndexPlugin,
+    alternate_key,
+)
 from kvfabric.spi.plugins import PluginManager
 
 __all__ = ["PutOutcome", "Store"]
@@ -89,6 +106,17 @@ _IMAGE_COUNTERS = (
     "touch_failures",
     "touches_dropped",
 )
+
+# Values kept on several nodes: copies written beyond each key's first (repairs of a stored
+# key's lost copies among them), and reads that fell over to another copy.
+_REPLICA_COUNTERS = (
+    "replica_writes",
+    "replica_repairs",
+    "replica_reads",
+    "replica_hits",
+)
+# Rounds a read may take through a key's copies (the first copy, then the others).
+_MAX_COPY_ROUNDS = 16
 
 _OUTCOME_OF = {
     AllocationKind.EXISTS: PutOutcome.DEDUPLICATED,
@@ -129,7 +157,7 @@ class Store:
         self._prefetch = PrefetchCache(
             max_entries=options.prefetch_entries, ttl=options.prefetch_ttl
         )
-        self._counters = Counters((*CLIENT_COUNTERS, *_IMAGE_COUNTERS))
+        self._counters = Counters((*CLIENT_COUNTERS, *_IMAGE_COUNTERS, *_REPLICA_COUNTERS))
         self._image = ImageSlot(image)
         self._locate_image = locate_image
         self._image_unlocated = locate_image is not None
@@ -167,13 +195,13 @@ class Store:
         _check_keys(keys)
         if not keys:
             return 0
-        found = self._ask(self._index.lookup_prefix, keys)
-        if found is None:
+        copies = self._ask(self._index.lookup_copies, keys)
+        if copies is None:
             return 0
-        self._prefetch.remember(found)
-        self._counters.update(lookups=1, prefix_hits=len(found))
-        self._observe(keys, len(found))
-        return len(found)
+        found = self._remember(copies)
+        self._counters.update(lookups=1, prefix_hits=found)
+        self._observe(keys, found)
+        return found
 
     def batched_exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is stored (for engines that probe non-contiguous keys).
@@ -212,9 +240,8 @@ class Store:
             return hits
         # From keys[hits] on the image cannot tell (a torn bucket, a key that found no room
         # in it, an image it cannot read now): the index answers for the rest.
-        found = self._ask(self._index.lookup_prefix, keys[hits:]) or []
-        self._prefetch.remember(found)
-        total = hits + len(found)
+        copies = self._ask(self._index.lookup_copies, keys[hits:])
+        total = hits + (self._remember(copies) if copies is not None else 0)
         self._counters.update(
             lookups=1,
             prefix_hits=total,
@@ -224,6 +251,12 @@ class Store:
         )
         self._observe(keys, total)
         return total
+
+    def _remember(self, copies: Copies) -> int:
+        """Keep a lookup's leading run of hits (and their other copies); how many."""
+        found = [d for d in copies.descriptors if d is not None]
+        self._prefetch.remember(found, copies.alternates)
+        return len(found)
 
     def _exists_from_image(self, image: ImageReader, keys: Sequence[bytes]) -> list[bool]:
         try:
@@ -298,40 +331,125 @@ class Store:
             raise ValueError(f"into has {len(into)} buffers for {len(keys)} keys")
         if not keys:
             return []
-        descriptors = self._prefetch.take(keys)
+        descriptors, alternates = self._prefetch.take_copies(keys)
         prefetched = [d is not None for d in descriptors]
         self._counters.update(gets=1, prefetch_hits=sum(prefetched))
         missing = [i for i, d in enumerate(descriptors) if d is None]
         if missing:
-            for i, d in zip(missing, self._resolve([keys[i] for i in missing]), strict=True):
-                descriptors[i] = d
-        results, invalid = self._read(keys, descriptors, into)
+            found = self._resolve_copies([keys[i] for i in missing])
+            for j, i in enumerate(missing):
+                descriptors[i] = found.descriptors[j]
+                if j in found.alternates:
+                    alternates[i] = found.alternates[j]
+        results, invalid = self._read_copies(keys, descriptors, alternates, into)
         # Records the index still publishes that failed validation: torn, or overwritten by
-        # a writer that outlived its lease. Reported, so the index unpublishes them and the
-        # next put of the key stores it again (no key stays present but unreadable).
-        broken = [descriptors[i] for i in invalid if not prefetched[i]]
-        # A prefetched descriptor is only a shortcut: if it led to an invalid record, the
-        # key may have moved, so ask the index once more for those keys.
-        retry = [i for i in invalid if prefetched[i]]
+        # a writer that outlived its lease. Reported, so the index unpublishes them (that
+        # copy only) and the next put of the key stores it again (no key stays present but
+        # unreadable). Reporting a stale copy is harmless: the index drops only the version
+        # it still publishes.
+        retry = [i for i in invalid if results[i] is None and prefetched[i]]
+        broken = [d for i, copies in invalid.items() if i not in retry for d in copies]
+        # A prefetched descriptor is only a shortcut: if every copy it led to was invalid,
+        # the key may have moved, so ask the index once more for those keys.
         if retry:
             self._prefetch.drop(keys[i] for i in retry)
             again: list[Descriptor | None] = [None] * len(keys)
-            for i, d in zip(retry, self._resolve([keys[i] for i in retry]), strict=True):
-                old = descriptors[i]
-                if d is not None and old is not None and d.version != old.version:
-                    again[i] = d
-                elif d is not None:
-                    broken.append(d)
+            again_alternates: dict[int, tuple[Descriptor, ...]] = {}
+            found = self._resolve_copies([keys[i] for i in retry])
+            for j, i in enumerate(retry):
+                first = found.descriptors[j]
+                if first is None:
+                    continue
+                tried = {d.version for d in invalid[i]}
+                copies = (first, *found.alternates.get(j, ()))
+                broken += [d for d in copies if d.version in tried]
+                fresh = [d for d in copies if d.version not in tried]
+                if fresh:
+                    again[i], again_alternates[i] = fresh[0], tuple(fresh[1:])
             if any(d is not None for d in again):
-                second, still_invalid = self._read(keys, again, into)
+                second, still_invalid = self._read_copies(keys, again, again_alternates, into)
                 for i, value in enumerate(second):
                     if value is not None:
                         results[i] = value
-                broken += [again[i] for i in still_invalid]
-        self._report_invalid([d for d in broken if d is not None])
+                broken += [d for copies in still_invalid.values() for d in copies]
+        self._report_invalid(broken)
         hits = sum(r is not None for r in results)
         self._counters.update(get_hits=hits, get_misses=len(keys) - hits)
         return results
+
+    def _read_copies(
+        self,
+        keys: Sequence[bytes],
+        descriptors: Sequence[Descriptor | None],
+        alternates: Mapping[int, tuple[Descriptor, ...]],
+        into: Sequence[Any] | None,
+    ) -> tuple[list[memoryview | None], dict[int, list[Descriptor]]]:
+        """Read each key's copy in ``descriptors``; records that did not land (their node
+        failed or refused them) or did not validate are read again from the key's next
+        copy, a round for all of them, until each has landed or has no copy left.
+
+        The next copies come from ``alternates`` (what the lookup returned) or, for a key
+        it has none for, from the lookup image (its n-th copy filed under
+        :func:`alternate_key`, probed in round n). Returns the values, and by key position
+        the copies that failed validation.
+        """
+        results, invalid, unreachable = self._read(keys, descriptors, into)
+        bad: dict[int, list[Descriptor]] = {}
+        for i in invalid:
+            bad.setdefault(i, []).append(descriptors[i])  # type: ignore[arg-type]
+        failed = invalid + unreachable
+        if not failed:
+            return results, bad
+        queues = {i: list(alternates.get(i, ())) for i in failed}
+        from_image = {i for i in failed if i not in alternates}
+        for n in range(1, _MAX_COPY_ROUNDS):
+            asking = [i for i in failed if i in from_image]
+            image = self._image.reader
+            if asking and image is not None:
+                for i, d in self._image_copies(image, keys, asking, n).items():
+                    queues[i].append(d)
+            following: list[Descriptor | None] = [None] * len(keys)
+            for i in failed:
+                if queues[i]:
+                    following[i] = queues[i].pop(0)
+            tried = [i for i in failed if following[i] is not None]
+            if not tried:
+                break
+            values, invalid, unreachable = self._read(keys, following, into, relearn=False)
+            landed = 0
+            for i in tried:
+                if values[i] is not None:
+                    results[i] = values[i]
+                    landed += 1
+            for i in invalid:
+                bad.setdefault(i, []).append(following[i])  # type: ignore[arg-type]
+            self._counters.update(replica_reads=len(tried), replica_hits=landed)
+            failed = invalid + unreachable
+        return results, bad
+
+    def _image_copies(
+        self, image: ImageReader, keys: Sequence[bytes], positions: Sequence[int], n: int
+    ) -> dict[int, Descriptor]:
+        """The n-th other copy of each key at ``positions``, where the lookup image has one
+        (filed under :func:`alternate_key`), as descriptors of the key itself."""
+        probe = [alternate_key(keys[i], n) for i in positions]
+        trips = 0
+        if len(probe) > 1:
+            # Which have one, then their descriptors in one run (a prefix probe stops at
+            # the first key without one).
+            states, trips = image.exists(probe)
+            positions = [
+                i for i, state in zip(positions, states, strict=True) if state == ImageStop.HIT
+            ]
+            probe = [alternate_key(keys[i], n) for i in positions]
+        hits, _, wires, more = image.prefix(probe) if probe else (0, 0, b"", 0)
+        self._counters.add("image_round_trips", trips + more)
+        return {
+            positions[j]: attrs.evolve(
+                Descriptor.from_bytes(wires, j * DESCRIPTOR_SIZE), key=keys[positions[j]]
+            )
+            for j in range(hits)
+        }
 
     def batched_get_scattered(
         self, keys: Sequence[bytes], into: Sequence[Sequence[Any]]
@@ -380,6 +498,8 @@ class Store:
             self._counters.add("put_failures", len(keys))
             return [PutOutcome.FAILED] * len(keys)
         outcomes: list[PutOutcome] = []
+        # Every copy to write, as (key position, grant): a key's first copy first, then
+        # its replicas; for a stored key, the copies granted to repair it.
         granted: list[tuple[int, Descriptor]] = []
         for i, alloc in enumerate(result.allocations):
             if alloc.kind is AllocationKind.GRANTED and alloc.descriptor is not None:
@@ -387,25 +507,37 @@ class Store:
                 outcomes.append(PutOutcome.STORED)
             else:
                 outcomes.append(_OUTCOME_OF[alloc.kind])
+            granted += [(i, d) for d in alloc.replicas]
+        written: list[tuple[int, Descriptor]] = []
+        published: set[int] = set()
         if granted and result.lease and time.monotonic() - asked_at > result.lease * _LEASE_SHARE:
             # This writer was held up (paused, swapped out) for much of its lease: a slot
             # whose lease ran out may already hold another key's record, so do not write.
             self._counters.add("late_writes_avoided", len(granted))
-            failed, written_bytes = list(granted), 0
+            failed = list(granted)
         else:
-            failed, written_bytes = self._write(granted, pieces)
-        for i, _ in failed:
+            written, failed, published = self._write(granted, pieces)
+        failed_keys = {
+            i for i, _ in granted if outcomes[i] is PutOutcome.STORED and i not in published
+        }
+        for i in failed_keys:
             outcomes[i] = PutOutcome.FAILED
-        if failed:
-            self._ask(self._index.abort, [GrantRef.of(d) for _, d in failed])
+        # A copy that did not land is dropped by the publish of its key's other copies;
+        # grants of keys with no copy published are given back.
+        giving_back = [d for i, d in failed if i not in published]
+        if giving_back:
+            self._ask(self._index.abort, [GrantRef.of(d) for d in giving_back])
+        new_keys = {i for i, _ in written if result.allocations[i].kind is AllocationKind.GRANTED}
         self._counters.update(
             evictions=result.evictions,
             stored=sum(o is PutOutcome.STORED for o in outcomes),
-            payload_bytes_written=written_bytes,
+            payload_bytes_written=sum(d.length for _, d in written),
             dedup_hits=sum(o is PutOutcome.DEDUPLICATED for o in outcomes),
             in_flight_skips=sum(o is PutOutcome.IN_FLIGHT for o in outcomes),
             no_space=sum(o is PutOutcome.NO_SPACE for o in outcomes),
-            put_failures=len(failed),
+            put_failures=len(failed_keys),
+            replica_writes=len(written) - len(new_keys),
+            replica_repairs=sum(1 for i, _ in written if i not in new_keys),
         )
         return outcomes
 
@@ -501,6 +633,10 @@ class Store:
         found = self._ask(self._index.resolve, keys)
         return [None] * len(keys) if found is None else found
 
+    def _resolve_copies(self, keys: Sequence[bytes]) -> Copies:
+        found = self._ask(self._index.resolve_copies, keys)
+        return Copies(descriptors=[None] * len(keys)) if found is None else found
+
     def _refresh_membership(self) -> bool:
         self._membership_stale = False
         nodes = self._ask(self._index.nodes)
@@ -553,9 +689,18 @@ class Store:
         keys: Sequence[bytes],
         descriptors: Sequence[Descriptor | None],
         into: Sequence[Any] | None,
-    ) -> tuple[list[memoryview | None], list[int]]:
-        """Read and validate; returns the values and the indices that failed validation."""
-        self._learn_nodes({d.node for d in descriptors if d is not None})
+        *,
+        relearn: bool = True,
+    ) -> tuple[list[memoryview | None], list[int], list[int]]:
+        """Read and validate; returns the values, the indices that failed validation and
+        those whose node failed or refused them. ``relearn=False``: ask the index for the
+        nodes only if one is not known at all (a read falling over to another copy right
+        after a node failed must not cost a control call)."""
+        nodes = {d.node for d in descriptors if d is not None}
+        if relearn:
+            self._learn_nodes(nodes)
+        elif not self._records.reaches(nodes):
+            self._refresh_membership()
         report = self._records.read(keys, descriptors, into)
         self._counters.update(
             payload_bytes_read=report.payload_bytes,
@@ -565,14 +710,16 @@ class Store:
         )
         if report.failed_nodes or report.refused:
             self._relearn_after_failure()
-        return report.values, report.invalid
+        return report.values, report.invalid, report.unreachable
 
     def _write(
         self, granted: list[tuple[int, Descriptor]], pieces: Sequence[list[memoryview]]
-    ) -> tuple[list[tuple[int, Descriptor]], int]:
-        """Write and publish the granted records; returns those that failed, and bytes written."""
+    ) -> tuple[list[tuple[int, Descriptor]], list[tuple[int, Descriptor]], set[int]]:
+        """Write the granted copies and publish those that landed: returns the copies
+        written, the copies not published (write or publish failed) and the positions of
+        the keys with a copy published."""
         if not granted:
-            return [], 0
+            return [], [], set()
         self._learn_nodes({d.node for _, d in granted})
         report = self._records.write([d for _, d in granted], [pieces[i] for i, _ in granted])
         self._counters.add("transport_failures", report.failed_nodes)
@@ -580,11 +727,16 @@ class Store:
             self._relearn_after_failure()
         written = [(g, crc) for g, crc in zip(granted, report.crcs, strict=True) if crc is not None]
         failed = [g for g, crc in zip(granted, report.crcs, strict=True) if crc is None]
+        published: set[int] = set()
         if written:
             flags = self._ask(self._index.publish, [GrantRef.of(d, crc) for (_, d), crc in written])
-            published = flags if flags is not None else [False] * len(written)
-            failed += [g for (g, _), ok in zip(written, published, strict=True) if not ok]
-        return failed, sum(d.length for (_, d), _ in written)
+            ok = flags if flags is not None else [False] * len(written)
+            for (g, _), flag in zip(written, ok, strict=True):
+                if flag:
+                    published.add(g[0])
+                else:
+                    failed.append(g)
+        return [g for g, _ in written], failed, published
 
     def _observe(self, keys: Sequence[bytes], hits: int) -> None:
         hook = self._plugins.pm.hook.kvfabric_lookup_done

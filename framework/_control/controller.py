@@ -280,11 +280,12 @@ class Controller:
 
     def _lookup_prefix(self, r: Reader) -> Callable[[], bytes]:
         keys = p.read_keys(r)
-        return lambda: p.write_descriptors(self.index.lookup_prefix(keys))
+        # With replicas the reply ends with the keys' other copies (absent when none).
+        return lambda: p.write_copies(self.index.lookup_copies(keys), optional=False)
 
     def _resolve(self, r: Reader) -> Callable[[], bytes]:
         keys = p.read_keys(r)
-        return lambda: p.write_optional_descriptors(self.index.resolve(keys))
+        return lambda: p.write_copies(self.index.resolve_copies(keys), optional=True)
 
     def _exists(self, r: Reader) -> Callable[[], bytes]:
         keys = p.read_keys(r)

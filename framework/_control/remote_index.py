@@ -8,7 +8,14 @@ from kvfabric._control.client import ControlClient, ControllerRefusedError
 from kvfabric._wire import protocol as p
 from kvfabric._wire.protocol import ErrorCode, ImageLocation, MsgType
 from kvfabric.descriptor import Descriptor
-from kvfabric.spi.index import AllocateResult, AllocationRequest, GrantRef, Index, NodeInfo
+from kvfabric.spi.index import (
+    AllocateResult,
+    AllocationRequest,
+    Copies,
+    GrantRef,
+    Index,
+    NodeInfo,
+)
 
 __all__ = ["RemoteIndex", "fetch_stats"]
 
@@ -26,14 +33,20 @@ class RemoteIndex(Index):
         return nodes
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> list[Descriptor]:
+        return [d for d in self.lookup_copies(keys).descriptors if d is not None]
+
+    def resolve(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
+        return list(self.resolve_copies(keys).descriptors)
+
+    def lookup_copies(self, keys: Sequence[bytes]) -> Copies:
         r = self.client.call(MsgType.LOOKUP_PREFIX, p.write_keys(keys))
-        found = p.read_descriptors(r)
+        found = p.read_copies(r, optional=False)
         r.end()
         return found
 
-    def resolve(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
+    def resolve_copies(self, keys: Sequence[bytes]) -> Copies:
         r = self.client.call(MsgType.RESOLVE, p.write_keys(keys))
-        found = p.read_optional_descriptors(r)
+        found = p.read_copies(r, optional=True)
         r.end()
         return found
 

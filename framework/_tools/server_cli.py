@@ -110,12 +110,15 @@ def _index_from(args: argparse.Namespace, settings: PluginOptions) -> IndexPlugi
     defaults = IndexConfig()
     # A node using a shared index has no --lease/--grace/--headroom: those are the index's,
     # set where it is served; the node only registers and heartbeats.
+    replicas = getattr(args, "replicas", defaults.replicas)
+    index_cls.check_replicas(replicas)
     return index_cls.create(
         IndexConfig(
             lease=_duration(getattr(args, "lease", defaults.lease), "--lease"),
             grace=_duration(getattr(args, "grace", defaults.grace), "--grace"),
             headroom=getattr(args, "headroom", defaults.headroom),
             options=settings.claim(index_cls),
+            replicas=replicas,
         )
     )
 
@@ -482,6 +485,16 @@ def _host_port(endpoint: str) -> str:
     return f"{host}:{port}"
 
 
+def _replica_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of copies: {text!r}") from None
+    if not 1 <= value <= 16:
+        raise argparse.ArgumentTypeError(f"copies of a value: 1 to 16, got {value}")
+    return value
+
+
 def _add_controller_options(parser: argparse.ArgumentParser, default_listen: str) -> None:
     parser.add_argument(
         "--listen",
@@ -519,6 +532,14 @@ def _add_controller_options(parser: argparse.ArgumentParser, default_listen: str
         default=0.05,
         metavar="FRACTION",
         help="share of capacity kept free ahead of need, by evicting least recently used",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=_replica_count,
+        default=1,
+        metavar="K",
+        help="store each value on K distinct data nodes (fewer while fewer have room); a "
+        "read falls over to another copy when its node is lost",
     )
     parser.add_argument(
         "--node-timeout",

@@ -25,6 +25,14 @@ the registration names the node's id and the incarnation its registration was gi
 stale request never acts on a newer registration of the same node. A client that found a
 published record invalid reports it (``REPORT_INVALID``) so the index unpublishes it.
 
+With replicas (``kvfabric controller --replicas K``) a value has copies on several nodes.
+Their wire forms are additions that a store without replicas never sends, so its frames
+stay byte for byte what they were: an allocation whose kind byte has :data:`WITH_REPLICAS`
+set is followed by a count (u8) and the further grants; a ``LOOKUP_PREFIX`` or ``RESOLVE``
+reply may end with an *alternates* section — count u32, then per key that has other copies
+its position u32, a count u8 and their descriptors. A publish names each copy that landed
+as its own grant.
+
 A client asks once where the index's lookup image is (``IMAGE``: the transports that serve
 it, and for a client on the controller's host the file to map) and answers lookups from it;
 the keys it hit there it reports in the background, batched (``TOUCH``), so eviction still
@@ -49,6 +57,7 @@ from kvfabric.spi.index import (
     Allocation,
     AllocationKind,
     AllocationRequest,
+    Copies,
     GrantRef,
     NodeInfo,
 )
@@ -60,6 +69,7 @@ __all__ = [
     "MAX_BATCH",
     "PROTOCOL_VERSION",
     "REPLY_BIT",
+    "WITH_REPLICAS",
     "ErrorCode",
     "FrameError",
     "Header",
@@ -67,11 +77,13 @@ __all__ = [
     "MsgType",
     "decode_header",
     "encode",
+    "read_copies",
     "read_deregister",
     "read_heartbeat",
     "read_image_location",
     "read_node_ref",
     "read_restore",
+    "write_copies",
     "write_deregister",
     "write_descriptor_bytes",
     "write_heartbeat",
@@ -202,6 +214,44 @@ def read_optional_descriptors(r: Reader) -> list[Descriptor | None]:
     return out
 
 
+MAX_ALTERNATES = 255
+"""Other copies one key may list (a u8 count)."""
+
+
+def write_copies(copies: Copies, *, optional: bool) -> bytes:
+    """A lookup's answer: the descriptors (``optional``: one per key, None for a miss, as
+    ``RESOLVE`` answers; else the leading run, as ``LOOKUP_PREFIX`` does), then the
+    alternates section when any key has other copies (absent otherwise)."""
+    descriptors = copies.descriptors
+    if optional:
+        head = write_optional_descriptors(descriptors)
+    else:
+        head = write_descriptors([d for d in descriptors if d is not None])
+    if not copies.alternates:
+        return head
+    w = Writer().raw(head).u32(len(copies.alternates))
+    for position, others in copies.alternates.items():
+        others = others[:MAX_ALTERNATES]
+        w.u32(position).u8(len(others))
+        for d in others:
+            w.raw(d.to_bytes())
+    return w.getvalue()
+
+
+def read_copies(r: Reader, *, optional: bool) -> Copies:
+    """What :func:`write_copies` wrote (the reader then ends at the frame's end)."""
+    descriptors = read_optional_descriptors(r) if optional else read_descriptors(r)
+    if not r.remaining:
+        return Copies(descriptors=descriptors)
+    alternates: dict[int, tuple[Descriptor, ...]] = {}
+    for _ in range(r.count(5, MAX_BATCH)):
+        position, n = r.u32(), r.u8()
+        if position >= len(descriptors) or descriptors[position] is None:
+            raise ProtocolError(f"alternates for position {position}, which holds no copy")
+        alternates[position] = tuple(Descriptor.many_from_bytes(r.raw(n * DESCRIPTOR_SIZE)))
+    return Copies(descriptors=descriptors, alternates=alternates)
+
+
 def write_flags(flags: Sequence[bool]) -> bytes:
     return struct.pack("<I", len(flags)) + bytes(1 if f else 0 for f in flags)
 
@@ -229,13 +279,22 @@ def read_allocation_requests(r: Reader) -> list[AllocationRequest]:
     return out
 
 
+WITH_REPLICAS = 0x80
+"""Set in an allocation's kind byte when grants of further copies follow it."""
+
+
 def write_allocate_result(result: AllocateResult) -> bytes:
     lease_ms = min(int(result.lease * 1000), (1 << 32) - 1)
     w = Writer().u32(result.evictions).u32(lease_ms).u32(len(result.allocations))
     for a in result.allocations:
-        w.u8(a.kind.value)
+        replicas = a.replicas[:MAX_ALTERNATES] if a.descriptor is not None else ()
+        w.u8(a.kind.value | (WITH_REPLICAS if replicas else 0))
         if a.descriptor is not None:
             w.raw(a.descriptor.to_bytes())
+        if replicas:
+            w.u8(len(replicas))
+            for d in replicas:
+                w.raw(d.to_bytes())
     return w.getvalue()
 
 
@@ -248,14 +307,19 @@ def read_allocate_result(r: Reader) -> AllocateResult:
     n = r.count(1, MAX_BATCH)
     allocations = []
     for _ in range(n):
+        byte = r.u8()
         try:
-            kind = AllocationKind(r.u8())
+            kind = AllocationKind(byte & ~WITH_REPLICAS)
         except ValueError as exc:
             raise ProtocolError(f"unknown allocation kind: {exc}") from None
-        descriptor = (
-            Descriptor.from_bytes(r.raw(DESCRIPTOR_SIZE)) if kind in _WITH_DESCRIPTOR else None
-        )
-        allocations.append(Allocation(kind=kind, descriptor=descriptor))
+        with_descriptor = kind in _WITH_DESCRIPTOR
+        if byte & WITH_REPLICAS and not with_descriptor:
+            raise ProtocolError(f"an allocation of kind {kind.name} cannot carry replicas")
+        descriptor = Descriptor.from_bytes(r.raw(DESCRIPTOR_SIZE)) if with_descriptor else None
+        replicas: tuple[Descriptor, ...] = ()
+        if byte & WITH_REPLICAS:
+            replicas = tuple(Descriptor.many_from_bytes(r.raw(r.u8() * DESCRIPTOR_SIZE)))
+        allocations.append(Allocation(kind=kind, descriptor=descriptor, replicas=replicas))
     return AllocateResult(allocations=tuple(allocations), evictions=evictions, lease=lease)
 
 

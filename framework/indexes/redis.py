@@ -17,6 +17,12 @@ reasons, is in docs/redis.md; in short:
   own LRU clock of it, which eviction samples (``OBJECT IDLETIME``), weighted by retention.
 * The registry (ids by name, incarnations, arenas, liveness keys with a TTL) is one more hash
   slot; ``tick`` removes nodes whose liveness key expired.
+* With ``replicas=k`` (the writers' ``?replicas=K``) a key's copies go to the first k arenas
+  clockwise on distinct nodes (:meth:`~kvfabric.indexes.redis_layout.Ring.copies_of`); each
+  copy is an ordinary entry of the arena holding it, allocated in the same round as the
+  first, and the home's entry lists the others, so lookups still read the home alone. The
+  key is published when its home copy landed. When the home's node goes, the arena of the
+  second copy becomes the key's home, entry and all.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from kvfabric.spi import (
     Allocation,
     AllocationKind,
     AllocationRequest,
+    Copies,
     GrantRef,
     IndexConfig,
     IndexPlugin,
@@ -64,8 +71,12 @@ if TYPE_CHECKING:
 
 __all__ = ["RedisIndex"]
 
-# An entry is its descriptor, then its state: 1 while its grant is being written.
+# An entry is its descriptor, then its state: 1 while its grant is being written, 3 when
+# its record lives in another arena (then the holder's id, 8 bytes); then its alternates.
 _PENDING = 1
+_PUBLISHED = 2
+_FOREIGN = 3
+_ENTRY_HEAD = DESCRIPTOR_SIZE + 5
 _KINDS = {
     1: AllocationKind.GRANTED,
     2: AllocationKind.EXISTS,
@@ -87,6 +98,10 @@ _CLIENT_COUNTERS = (
     "unreplicated_publishes",
     "stale_arenas",
     "nodes_expired",
+    "replica_grants",
+    "replica_shortfall",
+    "replica_repairs",
+    "orphan_grants",
 )
 _ARENA_COUNTERS = (
     "grants",
@@ -106,6 +121,7 @@ _ARENA_COUNTERS = (
     "restore_duplicates",
     "restore_overlaps",
     "hosted_drops",
+    "replicas_dropped",
 )
 
 
@@ -129,11 +145,28 @@ class _View:
 _EMPTY = _View(epoch=-1, nodes={}, arenas={}, ring=Ring(()), dropped=frozenset())
 
 
+@attrs.define
+class _Put:
+    """A put of several copies this client was granted and has not published yet: what its
+    publish needs to know (which arena holds which copy, what the home must list)."""
+
+    home: Arena
+    home_version: int
+    """The home's grant (``granted``) or, for a stored key being repaired, its entry."""
+    granted: bool
+    copies: dict[int, tuple[Descriptor, Arena]]
+    """Version -> the copy granted and the arena holding it."""
+    existing: list[Descriptor]
+    """Copies already stored elsewhere, for the home to list."""
+    deadline: float
+
+
 class RedisIndex(IndexPlugin):
     """The index in Redis (single server or Cluster). Thread-safe; one per process is enough."""
 
     name = "redis"
     shared = True
+    supports_replicas = True
     install_hint = "pip install 'kvfabric[redis]'"
     options = (
         OptionSpec(
@@ -207,6 +240,7 @@ class RedisIndex(IndexPlugin):
             lease=config.lease,
             grace=config.grace,
             headroom=config.headroom,
+            replicas=config.replicas,
         )
 
     def __init__(
@@ -222,6 +256,7 @@ class RedisIndex(IndexPlugin):
         lease: float = 30.0,
         grace: float = 2.0,
         headroom: float = 0.05,
+        replicas: int = 1,
     ) -> None:
         from kvfabric.indexes.redis_shards import ShardSet
 
@@ -229,7 +264,15 @@ class RedisIndex(IndexPlugin):
             raise ConfigError(f"redis.arena_size must be at least {SLOT_ALIGN} bytes")
         if wait_replicas < 0 or pool < 1:
             raise ConfigError("redis.wait_replicas must be >= 0 and redis.pool >= 1")
+        if replicas < 1:
+            raise ConfigError("replicas must be at least 1")
         self._ns = check_namespace(namespace)
+        self._replicas = replicas
+        self._lease = lease
+        # Puts of several copies between their allocate and publish, by key; grants this
+        # client could not use (their key's home refused it), aborted in its next round.
+        self._puts: dict[bytes, _Put] = {}
+        self._orphans: list[tuple[Arena, bytes, int]] = []
         self._arena_size = arena_size
         self._node_ttl_ms = int(node_ttl * 1000)
         self._wait = wait_replicas
@@ -450,10 +493,13 @@ class RedisIndex(IndexPlugin):
         )
         claimed_flags = self._flags(claims, "kvf1_claim", SLOT_ALIGN)
         claimed = [p for p, ok in zip(placed, claimed_flags, strict=True) if ok]
-        # 2. Each key's arena publishes it unless it already has the key.
+        # 2. Each key's arena publishes it unless it already has the key. With replicas, a
+        # record held by one of the key's other arenas is that arena's own entry, and the
+        # home lists it (step 4).
+        targets = [self._restore_target(view, r, holder, home) for r, holder, home in claimed]
         adoptions = self._by_arena(
             (
-                home,
+                target,
                 [
                     r.key,
                     node,
@@ -466,7 +512,7 @@ class RedisIndex(IndexPlugin):
                     holder.id,
                 ],
             )
-            for r, holder, home in claimed
+            for (r, holder, _), target in zip(claimed, targets, strict=True)
         )
         adopted = self._flags(adoptions, "kvf1_adopt")
         # 3. Claims of records not published are let go.
@@ -476,9 +522,55 @@ class RedisIndex(IndexPlugin):
             if not ok
         )
         calls = [self._call(arena, "kvf1_unclaim", *args) for arena, _, args in refused]
+        # 4. Homes list the copies their keys' other arenas adopted, and those the other
+        # arenas of keys a home adopted still hold.
+        copies = [
+            (home, attrs.evolve(r, node=node, rkey=holder.rkey))
+            for (r, holder, home), target, ok in zip(claimed, targets, adopted, strict=True)
+            if ok and target.id != home.id
+        ]
+        if self._replicas > 1:
+            adopted_keys = [r.key for (r, _, _), ok in zip(claimed, adopted, strict=True) if ok]
+            copies += self._held_elsewhere(view, adopted_keys)
+        links = self._by_arena((home, [d.key, b"", d.to_bytes()]) for home, d in copies)
+        calls += [
+            self._call(arena, "kvf1_link", self._replicas - 1, *args) for arena, _, args in links
+        ]
         for value in self._run(calls).values:
             _raise_unexpected(value)
         return sum(adopted)
+
+    def _held_elsewhere(self, view: _View, keys: Sequence[bytes]) -> list[tuple[Arena, Descriptor]]:
+        """Copies of ``keys`` their other arenas hold, with the home that should list each:
+        one round of lookups (listing one twice does no harm)."""
+        asks: list[tuple[Arena, list[Any]]] = []
+        homes: dict[bytes, Arena] = {}
+        for key in keys:
+            arenas = view.ring.copies_of(key, self._replicas)
+            homes[key] = arenas[0]
+            asks += [(arena, [key]) for arena in arenas[1:]]
+        groups = self._by_arena(asks)
+        calls = [
+            self._call(arena, "kvf1_lookup", *args, read_only=True) for arena, _, args in groups
+        ]
+        found: list[tuple[Arena, Descriptor]] = []
+        for (_, _, args), reply in zip(
+            groups, self._run(calls).values if calls else [], strict=True
+        ):
+            if isinstance(reply, Exception) or reply[0] is None:
+                continue
+            for key, entry in zip(args, reply[1], strict=True):
+                if entry is not None and entry[DESCRIPTOR_SIZE] == _PUBLISHED:
+                    found.append((homes[key], Descriptor.from_bytes(entry)))
+        return found
+
+    def _restore_target(self, view: _View, record: Descriptor, holder: Arena, home: Arena) -> Arena:
+        """Where a restored record's entry goes: its holder, when that is one of the arenas
+        of the key's copies; else the key's home (an entry pointing into the holder)."""
+        if self._replicas == 1 or holder.id == home.id:
+            return home
+        arenas = view.ring.copies_of(record.key, self._replicas)
+        return holder if any(a.id == holder.id for a in arenas) else home
 
     def _flags(
         self, groups: list[tuple[Arena, list[int], list[Any]]], function: str, *head: Any
@@ -503,25 +595,33 @@ class RedisIndex(IndexPlugin):
     # -- what clients call ----------------------------------------------------------------------
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> list[Descriptor]:
+        return [d for d in self.lookup_copies(keys).descriptors if d is not None]
+
+    def resolve(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
+        return list(self.resolve_copies(keys).descriptors)
+
+    def lookup_copies(self, keys: Sequence[bytes]) -> Copies:
         found = self._read(keys)
-        out: list[Descriptor] = []
-        for descriptor in found:
+        out: list[Descriptor | None] = []
+        for descriptor in found.descriptors:
             if descriptor is None:
                 break
             out.append(descriptor)
+        alternates = {i: a for i, a in found.alternates.items() if i < len(out)}
         self._count(lookups=1, lookup_keys=len(keys), prefix_hits=len(out))
-        return out
+        return Copies(descriptors=out, alternates=alternates)
 
-    def resolve(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
+    def resolve_copies(self, keys: Sequence[bytes]) -> Copies:
         found = self._read(keys)
-        self._count(resolves=1, resolve_hits=sum(d is not None for d in found))
+        self._count(resolves=1, resolve_hits=sum(d is not None for d in found.descriptors))
         return found
 
-    def _read(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
+    def _read(self, keys: Sequence[bytes]) -> Copies:
         view = self._current()
         found: list[Descriptor | None] = [None] * len(keys)
+        alternates: dict[int, tuple[Descriptor, ...]] = {}
         if not keys or not view.ring:
-            return found
+            return Copies(descriptors=found)
         groups = self._group_keys(view, keys)
         calls = [
             self._call(arena, "kvf1_lookup", *args, read_only=True) for arena, _, args in groups
@@ -535,18 +635,24 @@ class RedisIndex(IndexPlugin):
                 self._gone()
                 continue
             published = [
-                (i, entry[:DESCRIPTOR_SIZE])
+                (i, entry)
                 for i, entry in zip(indexes, reply[1], strict=True)
                 if entry is not None and entry[DESCRIPTOR_SIZE] != _PENDING
             ]
             if not published:
                 continue
-            wire = b"".join(w for _, w in published)
-            for (i, _), descriptor in zip(published, Descriptor.many_from_bytes(wire), strict=True):
+            wire = b"".join(entry[:DESCRIPTOR_SIZE] for _, entry in published)
+            for (i, entry), descriptor in zip(
+                published, Descriptor.many_from_bytes(wire), strict=True
+            ):
                 # A record restored into another node's arena: only while that node is.
                 if descriptor.node == arena.node or descriptor.node in view.nodes:
                     found[i] = descriptor
-        return found
+                    if len(entry) > _ENTRY_HEAD:
+                        others = _alternates(entry, view)
+                        if others:
+                            alternates[i] = others
+        return Copies(descriptors=found, alternates=alternates)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         view = self._current()
@@ -575,6 +681,8 @@ class RedisIndex(IndexPlugin):
         allocations = [Allocation(kind=AllocationKind.NO_SPACE)] * len(requests)
         if not requests or not view.ring:
             return AllocateResult(allocations=tuple(allocations))
+        if self._replicas > 1:
+            return self._allocate_copies(view, requests, retry=True)
         groups = self._by_arena(
             (view.ring.arena_of(r.key), [r.key, r.length, record_size(r.length)]) for r in requests
         )
@@ -613,6 +721,110 @@ class RedisIndex(IndexPlugin):
             self._drop_at_homes(notices)
         return AllocateResult(allocations=tuple(allocations), evictions=evictions)
 
+    def _allocate_copies(
+        self, view: _View, requests: Sequence[AllocationRequest], *, retry: bool
+    ) -> AllocateResult:
+        """Allocate every copy of every key in one round: each key's arenas
+        (:meth:`Ring.copies_of`) allocate as for a key of their own, and the home's answer
+        decides. A home that says EXISTS lists the copies it lacks, granted as repairs; one
+        that refuses (IN_FLIGHT, NO_SPACE) leaves the other grants to abort later."""
+        homes = [view.ring.copies_of(r.key, self._replicas) for r in requests]
+        where = [(i, rank) for i, arenas in enumerate(homes) for rank in range(len(arenas))]
+        groups = self._by_arena(
+            (arena, [r.key, r.length, record_size(r.length)])
+            for r, arenas in zip(requests, homes, strict=True)
+            for arena in arenas
+        )
+        calls = [
+            self._call(
+                arena, "kvf1_allocate", self._lease_ms, self._grace_ms, self._headroom, *args
+            )
+            for arena, _, args in groups
+        ]
+        answers: list[list[tuple[AllocationKind, bytes] | None]] = [[None] * len(h) for h in homes]
+        gone = False
+        evictions = 0
+        notices: list[Any] = []
+        for (_, positions, _), reply in zip(groups, self._run(calls).values, strict=True):
+            if isinstance(reply, Exception):
+                _raise_unexpected(reply)
+                continue  # nothing was granted there
+            if reply[0] == b"gone":
+                gone = True
+                continue
+            _, evicted, kinds, entries, found = reply
+            evictions += int(evicted)
+            notices += found
+            for position, kind, raw in zip(positions, kinds, entries, strict=True):
+                i, rank = where[position]
+                answers[i][rank] = (_KINDS[int(kind)], raw)
+        if notices:
+            self._drop_at_homes(notices)
+        allocations: list[Allocation] = []
+        again: list[int] = []
+        deadline = time.monotonic() + self._lease
+        for i, (request, arenas, answer) in enumerate(zip(requests, homes, answers, strict=True)):
+            grants = [
+                (Descriptor.from_bytes(a[1]), arenas[rank])
+                for rank, a in enumerate(answer)
+                if rank and a is not None and a[0] is AllocationKind.GRANTED
+            ]
+            stored = [
+                Descriptor.from_bytes(a[1])
+                for rank, a in enumerate(answer)
+                if rank and a is not None and a[0] is AllocationKind.EXISTS
+            ]
+            home = answer[0]
+            if home is None or home[0] not in (AllocationKind.GRANTED, AllocationKind.EXISTS):
+                self._orphan(request.key, grants)
+                if home is None and gone and retry:
+                    again.append(i)
+                kind = AllocationKind.NO_SPACE if home is None else home[0]
+                allocations.append(Allocation(kind=kind))
+                continue
+            first = Descriptor.from_bytes(home[1])
+            granted = home[0] is AllocationKind.GRANTED
+            if granted:
+                shortfall = self._replicas - 1 - len(grants) - len(stored)
+                self._count(replica_grants=len(grants), replica_shortfall=max(0, shortfall))
+            else:
+                stored = [*_alternates(home[1], view), *stored]
+                self._count(replica_repairs=len(grants))
+            if granted or grants:
+                put = _Put(
+                    home=arenas[0],
+                    home_version=first.version,
+                    granted=granted,
+                    copies={d.version: (d, arena) for d, arena in grants},
+                    existing=stored,
+                    deadline=deadline,
+                )
+                if granted:
+                    put.copies[first.version] = (first, arenas[0])
+                with self._lock:
+                    self._puts[request.key] = put
+            allocations.append(
+                Allocation(kind=home[0], descriptor=first, replicas=tuple(d for d, _ in grants))
+            )
+        if again:
+            # Arenas this client did not know were replaced: read the registry again and
+            # ask the keys' arenas now (once).
+            self._count(stale_arenas=1)
+            retried = self._allocate_copies(
+                self._refresh(), [requests[i] for i in again], retry=False
+            )
+            evictions += retried.evictions
+            for i, allocation in zip(again, retried.allocations, strict=True):
+                allocations[i] = allocation
+        return AllocateResult(allocations=tuple(allocations), evictions=evictions)
+
+    def _orphan(self, key: bytes, grants: Sequence[tuple[Descriptor, Arena]]) -> None:
+        """Grants of copies whose key was refused: aborted with this client's next round."""
+        if grants:
+            with self._lock:
+                self._orphans += [(arena, key, d.version) for d, arena in grants]
+                self._counters["orphan_grants"] += len(grants)
+
     def _regroup(
         self,
         gone: list[tuple[Arena, list[int], list[Any]]],
@@ -637,46 +849,135 @@ class RedisIndex(IndexPlugin):
         return [(arena, [indexes[j] for j in where], args) for arena, where, args in regrouped]
 
     def publish(self, grants: Sequence[GrantRef]) -> list[bool]:
+        """Publish the copies that landed, in one round: each in the arena holding it, the
+        home's entry listing the others. A key whose home copy did not land is not
+        published (its other copies stay stored: the next put of the key finds them and
+        writes no bytes for them); grants of a key that were not named are aborted in the
+        same round, with grants left over from refused allocations."""
         view = self._current()
         out = [False] * len(grants)
         if not grants or not view.ring:
             return out
-        groups = self._by_arena(
-            (view.ring.arena_of(g.key), [g.key, version_bytes(g.version), g.crc]) for g in grants
-        )
+        by_key: dict[bytes, list[int]] = {}
+        for i, grant in enumerate(grants):
+            by_key.setdefault(grant.key, []).append(i)
+        with self._lock:
+            puts = {key: self._puts.pop(key) for key in by_key if key in self._puts}
+        items: list[tuple[Arena, list[Any]]] = []
+        answers: list[int] = []
+        """The grant each publish item answers for."""
+        homes: dict[bytes, int] = {}
+        """Key -> the item publishing its home copy (-1: it did not land)."""
+        links: list[tuple[Arena, list[Any]]] = []
+        aborts: list[tuple[Arena, list[Any]]] = []
+        for key, positions in by_key.items():
+            put = puts.get(key)
+            landed = {
+                grants[i].version: i
+                for i in positions
+                if put is not None and grants[i].version in put.copies
+            }
+            for i in positions:
+                if grants[i].version not in landed:
+                    # Not one of a multi-copy put's grants: published at the key's home.
+                    items.append(
+                        (
+                            view.ring.arena_of(key),
+                            [key, version_bytes(grants[i].version), grants[i].crc, b""],
+                        )
+                    )
+                    answers.append(i)
+            if put is None:
+                continue
+            for version, (_, arena) in put.copies.items():
+                if version not in landed:
+                    aborts.append((arena, [key, version_bytes(version)]))
+            others = [
+                attrs.evolve(put.copies[v][0], crc=grants[i].crc)
+                for v, i in landed.items()
+                if not (put.granted and v == put.home_version)
+            ]
+            for v, i in landed.items():
+                if not (put.granted and v == put.home_version):
+                    items.append((put.copies[v][1], [key, version_bytes(v), grants[i].crc, b""]))
+                    answers.append(i)
+            if put.granted:
+                i = landed.get(put.home_version, -1)
+                homes[key] = len(items) if i >= 0 else -1
+                if i >= 0:
+                    alternates = [*others, *put.existing][: self._replicas - 1]
+                    wire = b"".join(d.to_bytes() for d in alternates)
+                    args = [key, version_bytes(put.home_version), grants[i].crc, wire]
+                    items.append((put.home, args))
+                    answers.append(i)
+            elif others:
+                wire = b"".join(d.to_bytes() for d in others)
+                links.append((put.home, [key, version_bytes(put.home_version), wire]))
+        groups = self._by_arena(items)
         calls = [self._call(arena, "kvf1_publish", *args) for arena, _, args in groups]
+        calls += [
+            self._call(arena, "kvf1_link", self._replicas - 1, *args)
+            for arena, _, args in self._by_arena(links)
+        ]
+        calls += self._abort_calls(aborts, self._take_orphans())
         result = self._run(calls, wait_replicas=self._wait)
-        for (_, indexes, _), reply, durable in zip(
-            groups, result.values, result.durable, strict=True
+        flags = [False] * len(items)
+        published = len(groups)
+        for (_, positions, _), reply, durable in zip(
+            groups, result.values[:published], result.durable[:published], strict=True
         ):
             _raise_unexpected(reply)
             if not _ok(reply):
                 continue
-            for i, flag in zip(indexes, reply[1], strict=True):
-                out[i] = bool(flag) and durable
+            for position, flag in zip(positions, reply[1], strict=True):
+                flags[position] = bool(flag) and durable
             if not durable:
                 self._count(unreplicated_publishes=sum(bool(f) for f in reply[1]))
+        for value in result.values[len(groups) :]:
+            _raise_unexpected(value)
+        for position, i in enumerate(answers):
+            out[i] = flags[position]
+        # A key is readable through its home: its other copies count only with it.
+        for key, home in homes.items():
+            if home < 0 or not flags[home]:
+                for i in by_key[key]:
+                    out[i] = False
         return out
 
     def abort(self, grants: Sequence[GrantRef]) -> None:
         view = self._current()
         if not grants or not view.ring:
             return
-        groups = self._by_arena(
-            (view.ring.arena_of(g.key), [g.key, version_bytes(g.version)]) for g in grants
-        )
-        calls = [
-            self._call(arena, "kvf1_abort", self._grace_ms, *args) for arena, _, args in groups
-        ]
-        for value in self._run(calls).values:
+        with self._lock:
+            puts = {g.key: self._puts.pop(g.key) for g in grants if g.key in self._puts}
+        aborts: list[tuple[Arena, list[Any]]] = []
+        for grant in grants:
+            put = puts.get(grant.key)
+            held = put.copies.get(grant.version) if put is not None else None
+            arena = held[1] if held is not None else view.ring.arena_of(grant.key)
+            aborts.append((arena, [grant.key, version_bytes(grant.version)]))
+        for value in self._run(self._abort_calls(aborts, self._take_orphans())).values:
             _raise_unexpected(value)
+
+    def _take_orphans(self) -> list[tuple[Arena, list[Any]]]:
+        with self._lock:
+            orphans, self._orphans = self._orphans, []
+        return [(arena, [key, version_bytes(version)]) for arena, key, version in orphans]
+
+    def _abort_calls(self, *items: list[tuple[Arena, list[Any]]]) -> list[Call]:
+        return [
+            self._call(arena, "kvf1_abort", self._grace_ms, *args)
+            for arena, _, args in self._by_arena(item for group in items for item in group)
+        ]
 
     def unpublish(self, keys: Sequence[bytes]) -> int:
         return self._unpublish([(k, b"") for k in keys], "unpublished")
 
     def drop_invalid(self, records: Sequence[GrantRef]) -> int:
         """Readers found these published records invalid: unpublish each that is still the
-        published version, so the next put of its key stores it again."""
+        published version, so the next put of its key stores it again. With replicas, the
+        bad copy's own arena drops it and the home forgets it (the arena is told by the
+        version's low bits, which name the arena that granted it)."""
         return self._unpublish(
             [(r.key, version_bytes(r.version)) for r in records], "invalid_reports"
         )
@@ -685,14 +986,32 @@ class RedisIndex(IndexPlugin):
         view = self._current()
         if not pairs or not view.ring:
             return 0
-        groups = self._by_arena((view.ring.arena_of(key), [key, version]) for key, version in pairs)
+        if self._replicas == 1:
+            homes = [(view.ring.arena_of(key), [key, version]) for key, version in pairs]
+            elsewhere: list[tuple[Arena, list[Any]]] = []
+        else:
+            homes, elsewhere = [], []
+            for key, version in pairs:
+                arenas = view.ring.copies_of(key, self._replicas)
+                homes.append((arenas[0], [key, version]))
+                for arena in arenas[1:]:
+                    # Every copy for a delete; for an invalid copy, the arena holding it.
+                    if not version or int.from_bytes(version, "little") & 0xFFF == arena.id % 4096:
+                        elsewhere.append((arena, [key, version]))
+        groups = self._by_arena(homes)
+        others = self._by_arena(elsewhere)
+        # Deleting a key takes its other copies too (counted apart); an invalid copy counts
+        # where it was dropped.
+        held = counter if counter == "invalid_reports" else "replicas_dropped"
         calls = [self._unpublish_call(arena.id, counter, args) for arena, _, args in groups]
+        calls += [self._unpublish_call(arena.id, held, args) for arena, _, args in others]
         removed = 0
         notices: list[Any] = []
-        for value in self._run(calls).values:
+        for position, value in enumerate(self._run(calls).values):
             _raise_unexpected(value)
             if _ok(value):
-                removed += int(value[1])
+                if position < len(groups) or held == "invalid_reports":
+                    removed += int(value[1])
                 notices += value[2]
         if notices:
             self._release_at_hosts(notices)
@@ -714,6 +1033,10 @@ class RedisIndex(IndexPlugin):
         dropping arenas, and now and then sweep every arena's leases and retired slots."""
         try:
             view = self._refresh()
+            self._forget_old_puts()
+            orphans = self._take_orphans()
+            if orphans:
+                self._run(self._abort_calls(orphans))
             for node in self._registry_call("kvf1_silent", read_only=True):
                 if self.remove_node(int(node)):
                     self._count(nodes_expired=1)
@@ -727,6 +1050,13 @@ class RedisIndex(IndexPlugin):
                 )
         except ControllerUnavailableError:
             pass  # the next tick tries again
+
+    def _forget_old_puts(self) -> None:
+        """Puts whose writer never published: their leases ran out, Redis dropped them."""
+        now = time.monotonic()
+        with self._lock:
+            for key in [k for k, put in self._puts.items() if put.deadline < now]:
+                del self._puts[key]
 
     def stats(self) -> dict[str, int]:
         view = self._refresh()
@@ -873,6 +1203,15 @@ class RedisIndex(IndexPlugin):
         with self._lock:
             for name, amount in amounts.items():
                 self._counters[name] += amount
+
+
+def _alternates(entry: bytes, view: _View) -> tuple[Descriptor, ...]:
+    """The other copies an entry lists, those on nodes still registered."""
+    tail = entry[_ENTRY_HEAD:]
+    if entry[DESCRIPTOR_SIZE] == _FOREIGN:
+        tail = tail[8:]
+    usable = len(tail) - len(tail) % DESCRIPTOR_SIZE
+    return tuple(d for d in Descriptor.many_from_bytes(tail[:usable]) if d.node in view.nodes)
 
 
 def _ok(value: Any) -> bool:

@@ -26,7 +26,10 @@ in Redis Cluster:
 An entry starts with its descriptor in kvfabric's wire form ('<c32I4I4I8I8c8c8I4': key,
 node, region, offset, length, rkey, version, crc), so a lookup returns it as it is, then
 '<BI4': state (1 granted, 2 published, 3 published here but stored in another arena) and
-retention; state 3 adds '<I8': the arena that holds the record.
+retention; state 3 adds '<I8': the arena that holds the record. With replicas, the
+descriptors of the value's other copies follow (its *alternates*, 76 bytes each): each
+copy is an entry of its own in the arena that holds it, and the key's home arena lists
+them so that a lookup, which reads only the home, returns them all.
 
 Versions are 8 opaque bytes here: a new grant's version is (counter << 12) | lo, with the
 arena's counter at least the server clock in microseconds, so versions grow over time and
@@ -59,7 +62,7 @@ end
 local COUNTERS = {
   'grants', 'dedup_hits', 'in_flight', 'no_space', 'oversize', 'published', 'publish_rejected',
   'aborted', 'unpublished', 'evictions', 'early_reuse', 'lease_expiries', 'invalid_reports',
-  'restored', 'restore_duplicates', 'restore_overlaps', 'hosted_drops',
+  'restored', 'restore_duplicates', 'restore_overlaps', 'hosted_drops', 'replicas_dropped',
 }
 local GAUGES = {'free', 'retired', 'n_pub', 'n_pend', 'payload', 'vc'}
 
@@ -576,16 +579,17 @@ local function allocate(keys, args)
   return {'ok', a.d.evictions - evicted_before, kinds, entries, notices}
 end
 
--- ARGV: (key, version, crc) per grant. Returns a flag per grant.
+-- ARGV: (key, version, crc, alternates) per grant. Returns a flag per grant.
 local function publish(keys, args)
   local a = open(keys)
   if not a then return {'gone'} end
   local out = {}
-  for i = 1, #args, 3 do
+  for i = 1, #args, 4 do
     local key, ver = args[i], args[i + 1]
     local e = entry_get(a, key)
     if e and e.state == PENDING and e.ver == ver then
       e.state, e.crc, e.retention = PUBLISHED, tonumber(args[i + 2]), 1
+      e.tail = args[i + 3]
       entry_set(a, key, e)  -- a plain SET: the lease's expiry goes with it
       occ_follow(a, key, e)
       redis.call('ZREM', a.pq, fmt(e.off))
@@ -601,6 +605,45 @@ local function publish(keys, args)
   end
   flush(a)
   return {'ok', out}
+end
+
+-- An entry's alternates, and what precedes them in its tail (a foreign entry's holder).
+local function alternates_of(e)
+  if e.state == FOREIGN then return string.sub(e.tail, 9), string.sub(e.tail, 1, 8) end
+  return e.tail or '', ''
+end
+
+-- ARGV: most alternates an entry keeps, then (key, version or '', alternates) per key:
+-- the published entry (of that version) lists these copies first, then those it listed on
+-- other nodes, up to the most. Returns how many entries changed.
+local function link(keys, args)
+  local a = open(keys)
+  if not a then return {'gone'} end
+  local most, changed = tonumber(args[1]), 0
+  for i = 2, #args, 3 do
+    local e = entry_get(a, args[i])
+    if e and e.state ~= PENDING and (args[i + 1] == '' or e.ver == args[i + 1]) then
+      local alts, head = alternates_of(e)
+      local add = args[i + 2]
+      for j = 0, #add / WIRE - 1 do
+        local copy = string.sub(add, j * WIRE + 1, (j + 1) * WIRE)
+        local node = string.sub(copy, 33, 36)
+        if node ~= struct.pack('<I4', e.node) then
+          -- The new copy first: a listed copy on a node since lost must not keep it out.
+          local kept = copy
+          for m = 0, #alts / WIRE - 1 do
+            local other = string.sub(alts, m * WIRE + 1, (m + 1) * WIRE)
+            if string.sub(other, 33, 36) ~= node then kept = kept .. other end
+          end
+          alts = string.sub(kept, 1, most * WIRE)
+        end
+      end
+      e.tail = head .. alts
+      entry_set(a, args[i], e)
+      changed = changed + 1
+    end
+  end
+  return {'ok', changed}
 end
 
 -- ARGV: grace_ms, then (key, version) per grant.
@@ -622,7 +665,8 @@ local function abort(keys, args)
 end
 
 -- ARGV: grace_ms, counter name, then (key, version or '') per key: removes published entries
--- (with that version, if given). Returns 'ok', how many went, {notices}.
+-- (with that version, if given; an entry that only lists a copy of that version among its
+-- alternates drops that copy from the list). Returns 'ok', how many went, {notices}.
 local function unpublish(keys, args)
   local a = open(keys, '0', args[1], '0')
   if not a then return {'gone'} end
@@ -635,6 +679,16 @@ local function unpublish(keys, args)
       local notice = remove_entry(a, key, e, now, false)
       if notice then notices[#notices + 1] = notice end
       removed = removed + 1
+    elseif e and e.state ~= PENDING and #e.tail > 0 then
+      local alts, head = alternates_of(e)
+      for j = 0, #alts / WIRE - 1 do
+        if string.sub(alts, j * WIRE + 65, j * WIRE + 72) == ver then
+          e.tail = head .. string.sub(alts, 1, j * WIRE) .. string.sub(alts, (j + 1) * WIRE + 1)
+          entry_set(a, key, e)
+          bump(a, 'replicas_dropped')
+          break
+        end
+      end
     end
   end
   bump(a, args[2], removed)
@@ -1017,6 +1071,7 @@ ro('kvf1_registry', registry)
 ro('kvf1_silent', silent)
 redis.register_function('kvf1_allocate', allocate)
 redis.register_function('kvf1_publish', publish)
+redis.register_function('kvf1_link', link)
 redis.register_function('kvf1_abort', abort)
 redis.register_function('kvf1_unpublish', unpublish)
 redis.register_function('kvf1_tick', tick)

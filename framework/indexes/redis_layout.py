@@ -8,7 +8,9 @@ atomically, in Redis Cluster too. Arena tags are picked so that arena ``n`` land
 masters, whatever their number.
 
 A key belongs to one arena, chosen by consistent hashing on a ring of points that every
-client computes from the registry alone (points per arena ∝ its size). A point is derived
+client computes from the registry alone (points per arena ∝ its size). With replicas, its
+other copies go to the next arenas clockwise that sit on nodes no earlier copy uses: when the
+home's node goes, the arena that held the second copy is the key's new home. A point is derived
 from the arena's *identity* (node name, region, index in the region), not from its id: a node
 that comes back with the same regions gets the same keys back, and a new node takes over
 only the keys that now fall on its points.
@@ -164,6 +166,7 @@ class Ring:
         self._positions_array = np.array(self._positions, dtype=np.uint64)
         self._owners_array = np.array(self._owners, dtype=np.int64)
         self.arenas = tuple(arenas)
+        self._nodes = len({arena.node for arena in arenas})
 
     def __bool__(self) -> bool:
         return bool(self._positions)
@@ -173,6 +176,23 @@ class Ring:
         position = int.from_bytes(key[:8], "little")
         i = bisect.bisect_right(self._positions, position) % len(self._positions)
         return self.arenas[self._owners[i]]
+
+    def copies_of(self, key: bytes, count: int) -> list[Arena]:
+        """The arenas of a key's ``count`` copies: its home, then the next arenas clockwise
+        on nodes not used yet (fewer when fewer nodes have arenas)."""
+        positions, owners, total = self._positions, self._owners, len(self._positions)
+        start = bisect.bisect_right(positions, int.from_bytes(key[:8], "little"))
+        chosen: list[Arena] = []
+        nodes: set[int] = set()
+        wanted = min(count, self._nodes)
+        for step in range(total):
+            arena = self.arenas[owners[(start + step) % total]]
+            if arena.node not in nodes:
+                chosen.append(arena)
+                nodes.add(arena.node)
+                if len(chosen) == wanted:
+                    break
+        return chosen
 
     def group(self, keys: Sequence[bytes]) -> list[tuple[Arena, list[int]]]:
         """Positions of ``keys`` by the arena each belongs to (the ring must not be empty)."""

@@ -4,10 +4,16 @@
 same commands an operator runs), waits until every node is registered, and can kill, stop,
 continue or restart any of them, so fault tests exercise the real processes and sockets.
 ``kvfabric bench`` uses it too, so it lives here and imports nothing of the test suite.
+
+``Cluster(redis=URL)`` runs no controller: its nodes register with the ``redis`` index at
+URL (``kvfabric node --index redis``), in a namespace of their own, and clients connect
+with ``kvfabric://HOST:PORT?index=redis`` (:meth:`Cluster.url`). The namespace is purged
+when the cluster closes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -15,15 +21,17 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+from urllib.parse import quote, urlsplit
 
 from kvfabric._control.client import ControlClient
 from kvfabric._control.remote_index import RemoteIndex, fetch_stats
 from kvfabric._control.security import Credentials
-from kvfabric.errors import ControllerUnavailableError
-from kvfabric.spi.index import NodeInfo
+from kvfabric.errors import ControllerUnavailableError, KvfabricError
+from kvfabric.spi.index import IndexConfig, NodeInfo
 
 __all__ = ["Cluster", "free_port"]
 
@@ -89,10 +97,24 @@ class Cluster:
         env: dict[str, str] | None = None,
         secret: bytes | None = None,
         backend: str = "dram",
+        redis: str | None = None,
+        node_ttl: str = "2s",
     ) -> None:
         """``backend="file"`` gives each node its own directory (:meth:`node_path`), kept
-        across restarts of that node."""
-        self.port = free_port()
+        across restarts of that node. ``redis``: the URL of a Redis deployment whose
+        ``redis`` index the nodes use instead of a controller (``node_ttl``: how long one
+        may stay silent before whoever ticks the index drops it)."""
+        self.redis = redis
+        self.namespace = f"c{uuid.uuid4().hex[:12]}" if redis else ""
+        self.node_ttl = node_ttl
+        self._index: Any = None
+        if redis:
+            address = urlsplit(redis)
+            self.port = address.port or 6379
+            self.host = address.hostname or "127.0.0.1"
+        else:
+            self.port = free_port()
+            self.host = "127.0.0.1"
         self.backend = backend
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.transports = list(transports)
@@ -107,14 +129,29 @@ class Cluster:
         self.logs = Path(self._dir.name)
         self.controller: _Process | None = None
         self.nodes: list[_Process | None] = []
-        self.start_controller()
-        for _ in range(nodes):
-            self.add_node()
-        self.wait_nodes(nodes)
+        try:
+            if not redis:
+                self.start_controller()
+            for _ in range(nodes):
+                self.add_node()
+            self.wait_nodes(nodes)
+        except BaseException:
+            self.close()
+            raise
 
     def url(self, **options: str) -> str:
-        query = "&".join(f"{k}={v}" for k, v in options.items())
-        return f"kvfabric://127.0.0.1:{self.port}" + (f"?{query}" if query else "")
+        """What clients connect to (``options`` as query parameters); with ``redis``, the
+        index's URL and namespace come first."""
+        if self.redis:
+            options = {**self.index_options(), **options, "index": "redis"}
+        query = "&".join(f"{k}={quote(str(v), safe='/:@')}" for k, v in options.items())
+        return f"kvfabric://{self.host}:{self.port}" + (f"?{query}" if query else "")
+
+    def index_options(self) -> dict[str, str]:
+        """The redis index's options every process of this cluster uses (none without)."""
+        if not self.redis:
+            return {}
+        return {"redis.url": self.redis, "redis.namespace": self.namespace}
 
     # -- processes ---------------------------------------------------------------------
 
@@ -142,10 +179,16 @@ class Cluster:
     ) -> None:
         """Start (or restart) node ``index``: by default under its own name and capacity."""
         capacity = capacity or self.capacity
+        if self.redis:
+            options = {**self.index_options(), "redis.node_ttl": self.node_ttl}
+            where = ["--index", "redis"]
+            for option, value in options.items():
+                where += ["--index-opt", f"{option}={value}"]
+        else:
+            where = ["--controller", self.endpoint]
         args = [
             "node",
-            "--controller",
-            self.endpoint,
+            *where,
             "--transport",
             ",".join(self.transports),
             "--capacity",
@@ -192,8 +235,23 @@ class Cluster:
         credentials = Credentials.from_secret(self.secret) if self.secret else None
         return ControlClient(self.endpoint, timeout=2.0, credentials=credentials)
 
+    def index(self) -> Any:
+        """The redis index of a ``redis`` cluster, opened once (a ``RedisIndex``)."""
+        if self._index is None:
+            from kvfabric.indexes.redis import RedisIndex
+
+            options = {k.removeprefix("redis."): v for k, v in self.index_options().items()}
+            self._index = RedisIndex.create(IndexConfig(options=options))
+        return self._index
+
     def node_infos(self) -> list[NodeInfo]:
-        """What the controller knows of each registered node (regions, transport endpoints)."""
+        """What the controller (or the redis index) knows of each registered node (regions,
+        transport endpoints)."""
+        if self.redis:
+            try:
+                return sorted(self.index().nodes(), key=lambda n: n.name)
+            except ControllerUnavailableError:
+                return []
         client = self._client()
         try:
             return sorted(RemoteIndex(client).nodes(), key=lambda n: n.name)
@@ -202,18 +260,28 @@ class Cluster:
         finally:
             client.close()
 
+    def _reported_nodes(self) -> int:
+        try:
+            return sum(scope.startswith("node ") for scope in self.stats())
+        except ControllerUnavailableError:
+            return 0
+
     def node_names(self) -> list[str]:
         return [n.name for n in self.node_infos()]
 
     def wait_nodes(self, count: int, timeout: float = 60.0) -> None:
+        """Until ``count`` nodes are registered and each has reported its counters once (a
+        heartbeat), so stats and metrics show every node from the start."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if len(self.node_names()) == count:
+            if len(self.node_names()) == count and self._reported_nodes() >= count:
                 return
             time.sleep(0.05)
         raise TimeoutError(f"{count} nodes did not register: {self.node_names()}\n{self.tail()}")
 
     def stats(self) -> dict[str, dict[str, int]]:
+        if self.redis:
+            return {"index": self.index().stats()}
         client = self._client()
         try:
             return fetch_stats(client)
@@ -234,6 +302,13 @@ class Cluster:
         if self.controller is not None:
             self.controller.stop()
             self.controller = None
+        if self.redis:
+            # What the nodes left in Redis goes (a deployment a test killed keeps it).
+            with contextlib.suppress(KvfabricError):
+                self.index().purge()
+            if self._index is not None:
+                self._index.close()
+                self._index = None
         self._dir.cleanup()
 
     def __enter__(self) -> Cluster:

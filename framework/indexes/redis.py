@@ -1000,17 +1000,18 @@ class RedisIndex(IndexPlugin):
                         elsewhere.append((arena, [key, version]))
         groups = self._by_arena(homes)
         others = self._by_arena(elsewhere)
-        # Deleting a key takes its other copies too (counted apart); an invalid copy counts
-        # where it was dropped.
-        held = counter if counter == "invalid_reports" else "replicas_dropped"
+        # The homes count: each copy is their own or one they list. Deleting a key takes its
+        # other copies too, counted apart.
         calls = [self._unpublish_call(arena.id, counter, args) for arena, _, args in groups]
-        calls += [self._unpublish_call(arena.id, held, args) for arena, _, args in others]
+        calls += [
+            self._unpublish_call(arena.id, "replicas_dropped", args) for arena, _, args in others
+        ]
         removed = 0
         notices: list[Any] = []
         for position, value in enumerate(self._run(calls).values):
             _raise_unexpected(value)
             if _ok(value):
-                if position < len(groups) or held == "invalid_reports":
+                if position < len(groups):
                     removed += int(value[1])
                 notices += value[2]
         if notices:

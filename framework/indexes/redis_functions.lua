@@ -258,20 +258,13 @@ local function entry_set(a, key, e)
   redis.call('SET', a.e .. key, entry_pack(e))
 end
 
--- Take an entry out. Its slot retires (or is free at once: immediate). For an entry whose
--- record lives in another arena, returns what that arena must release.
-local function remove_entry(a, key, e, now, immediate)
-  redis.call('DEL', a.e .. key)
-  if e.state == PENDING then
-    a.n_pend = a.n_pend - 1
-    redis.call('ZREM', a.pq, fmt(e.off))
-  else
-    a.n_pub = a.n_pub - 1
-    a.payload = a.payload - e.len
-  end
+-- An entry's record is let go: its slot here retires (or is free at once: immediate); for a
+-- record another arena holds, returns what that arena must release (nothing when that arena
+-- is not known: a copy promoted in place of an invalid one).
+local function let_go(a, key, e, now, immediate)
   if e.state == FOREIGN then
-    redis.call('SREM', a.x, key)
     local host = struct.unpack('<I8', e.tail)
+    if host == 0 then return nil end
     return {fmt(host), fmt(e.off), key, e.ver}
   end
   local oc = occ_get(a, e.off)
@@ -280,6 +273,21 @@ local function remove_entry(a, key, e, now, immediate)
     retire(a, e.off, oc.size, now, immediate)
   end
   return nil
+end
+
+-- Take an entry out. Its slot retires (or is free at once: immediate). For an entry whose
+-- record lives in another arena, returns what that arena must release.
+local function remove_entry(a, key, e, now, immediate)
+  if e.state == FOREIGN then redis.call('SREM', a.x, key) end
+  redis.call('DEL', a.e .. key)
+  if e.state == PENDING then
+    a.n_pend = a.n_pend - 1
+    redis.call('ZREM', a.pq, fmt(e.off))
+  else
+    a.n_pub = a.n_pub - 1
+    a.payload = a.payload - e.len
+  end
+  return let_go(a, key, e, now, immediate)
 end
 
 local function expire_leases(a, now)
@@ -664,9 +672,24 @@ local function abort(keys, args)
   return {'ok'}
 end
 
+-- The entry's own copy goes (invalid, or its record let go) and its first alternate is read
+-- first from now on: the entry becomes one whose record another arena holds (which one is
+-- not known here: 0). Returns what the old record's holder must release, if anything.
+local function promote(a, key, e, now)
+  local notice = let_go(a, key, e, now, false)
+  local alts = alternates_of(e)
+  local first = string.sub(alts, 1, WIRE)
+  redis.call('SET', a.e .. key, first .. struct.pack('<BI4I8', FOREIGN, e.retention, 0)
+    .. string.sub(alts, WIRE + 1))
+  redis.call('SADD', a.x, key)
+  bump(a, 'replicas_dropped')
+  return notice
+end
+
 -- ARGV: grace_ms, counter name, then (key, version or '') per key: removes published entries
--- (with that version, if given; an entry that only lists a copy of that version among its
--- alternates drops that copy from the list). Returns 'ok', how many went, {notices}.
+-- (with that version, if given: then an entry with other copies keeps the key, its next
+-- copy promoted; an entry that only lists a copy of that version among its alternates drops
+-- it from the list). Returns 'ok', how many went (entries or listed copies), {notices}.
 local function unpublish(keys, args)
   local a = open(keys, '0', args[1], '0')
   if not a then return {'gone'} end
@@ -676,7 +699,12 @@ local function unpublish(keys, args)
     local key, ver = args[i], args[i + 1]
     local e = entry_get(a, key)
     if e and e.state ~= PENDING and (ver == '' or e.ver == ver) then
-      local notice = remove_entry(a, key, e, now, false)
+      local notice
+      if ver ~= '' and #(alternates_of(e)) >= WIRE then
+        notice = promote(a, key, e, now)
+      else
+        notice = remove_entry(a, key, e, now, false)
+      end
       if notice then notices[#notices + 1] = notice end
       removed = removed + 1
     elseif e and e.state ~= PENDING and #e.tail > 0 then
@@ -686,6 +714,7 @@ local function unpublish(keys, args)
           e.tail = head .. string.sub(alts, 1, j * WIRE) .. string.sub(alts, (j + 1) * WIRE + 1)
           entry_set(a, key, e)
           bump(a, 'replicas_dropped')
+          removed = removed + 1
           break
         end
       end

@@ -416,3 +416,69 @@ class _ThreadSpy(list[Any]):
     def __iter__(self) -> Iterator[Any]:
         self.threads.add(threading.get_ident())
         return super().__iter__()
+
+
+class ReplicatedStoreConformance:
+    """Mixin for deployments that keep ``replicas=2`` copies of each value on at least two
+    data nodes: override ``store_url`` (the store suite passes there too; these add what
+    replicas promise, counted)."""
+
+    value_size = 4096
+
+    @pytest.fixture
+    def store_url(self) -> str:
+        pytest.fail("ReplicatedStoreConformance needs a store_url with two copies per value")
+
+    @pytest.fixture
+    def store(self, store_url: str) -> Iterator[Store]:
+        with kvfabric.connect(store_url) as store:
+            yield store
+
+    def test_a_put_writes_every_copy_in_at_most_two_rpcs(self, store: Store) -> None:
+        keys = _keys(64)
+        before = store.stats()
+        assert store.batched_put(keys, _values(keys, self.value_size)) == [PutOutcome.STORED] * 64
+        after = store.stats()
+        assert after["control_rpcs"] - before["control_rpcs"] <= 2
+        assert after["replica_writes"] - before["replica_writes"] == 64
+        written = after["payload_bytes_written"] - before["payload_bytes_written"]
+        assert written == 2 * 64 * self.value_size
+
+    def test_a_reput_moves_no_bytes_and_a_lookup_then_get_reads_each_value_once(
+        self, store: Store
+    ) -> None:
+        keys = _keys(32)
+        values = _values(keys, self.value_size)
+        store.batched_put(keys, values)
+        before = store.stats()
+        assert store.batched_put(keys, values) == [PutOutcome.DEDUPLICATED] * 32
+        assert store.batched_contains(keys) == 32
+        assert _as_bytes(store.batched_get(keys)) == values
+        after = store.stats()
+        assert after["payload_bytes_written"] == before["payload_bytes_written"]
+        assert after["payload_bytes_read"] - before["payload_bytes_read"] == 32 * self.value_size
+        assert after["replica_reads"] == before["replica_reads"]
+        onesided = after["onesided_lookups"] - before["onesided_lookups"]
+        assert after["control_rpcs"] - before["control_rpcs"] == 2 - onesided
+
+    def test_a_corrupted_copy_is_read_from_the_other_in_the_same_get(
+        self, store: Store, corrupt: Callable[..., Any]
+    ) -> None:
+        keys = _keys(4)
+        values = _values(keys, self.value_size)
+        store.batched_put(keys, values)
+        corrupt(store, keys[1])
+        assert store.batched_contains(keys) == 4
+        before = store.stats()
+        assert _as_bytes(store.batched_get(keys)) == values
+        after = store.stats()
+        assert after["validation_failures"] - before["validation_failures"] == 1
+        assert after["replica_hits"] - before["replica_hits"] == 1
+        # Reported: that copy goes, the key stays readable.
+        assert after["invalid_reported"] - before["invalid_reported"] == 1
+        assert _as_bytes(store.batched_get(keys[1:2])) == values[1:2]
+
+    @pytest.fixture
+    def corrupt(self) -> Callable[..., Any]:
+        """Flip a stored payload byte of a key's first copy."""
+        return corrupt_payload

@@ -19,6 +19,7 @@ import kvfabric
 from kvfabric import PutOutcome
 from kvfabric.keys import chain_keys
 from kvfabric.testing import Cluster, corrupt_payload
+from kvfabric.testing.store_suite import ReplicatedStoreConformance
 
 
 def _keys(n: int) -> list[bytes]:
@@ -39,6 +40,12 @@ def cluster() -> Iterator[Cluster]:
         nodes=3, transports=("tcp",), capacity="64MiB", controller_args=["--replicas", "2"]
     ) as c:
         yield c
+
+
+class TestTwoCopiesOverTcp(ReplicatedStoreConformance):
+    @pytest.fixture
+    def store_url(self, cluster: Cluster) -> str:
+        return cluster.url(transport="tcp")
 
 
 def _node_ids(cluster: Cluster) -> dict[str, int]:

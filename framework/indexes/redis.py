@@ -722,7 +722,12 @@ class RedisIndex(IndexPlugin):
         return AllocateResult(allocations=tuple(allocations), evictions=evictions)
 
     def _allocate_copies(
-        self, view: _View, requests: Sequence[AllocationRequest], *, retry: bool
+        self,
+        view: _View,
+        requests: Sequence[AllocationRequest],
+        *,
+        retry: bool,
+        first: Sequence[Call] = (),
     ) -> AllocateResult:
         """Allocate every copy of every key in one round: each key's arenas
         (:meth:`Ring.copies_of`) allocate as for a key of their own, and the home's answer
@@ -742,15 +747,19 @@ class RedisIndex(IndexPlugin):
             for arena, _, args in groups
         ]
         answers: list[list[tuple[AllocationKind, bytes] | None]] = [[None] * len(h) for h in homes]
-        gone = False
+        gone: list[Arena] = []
         evictions = 0
         notices: list[Any] = []
-        for (_, positions, _), reply in zip(groups, self._run(calls).values, strict=True):
+        # ``first`` (aborts) go ahead in the same pipelines: a master runs them in order.
+        replies = self._run([*first, *calls]).values
+        for value in replies[: len(first)]:
+            _raise_unexpected(value)
+        for (arena, positions, _), reply in zip(groups, replies[len(first) :], strict=True):
             if isinstance(reply, Exception):
                 _raise_unexpected(reply)
                 continue  # nothing was granted there
             if reply[0] == b"gone":
-                gone = True
+                gone.append(arena)
                 continue
             _, evicted, kinds, entries, found = reply
             evictions += int(evicted)
@@ -763,6 +772,7 @@ class RedisIndex(IndexPlugin):
         allocations: list[Allocation] = []
         again: list[int] = []
         deadline = time.monotonic() + self._lease
+        stale = {a.id for a in gone}
         for i, (request, arenas, answer) in enumerate(zip(requests, homes, answers, strict=True)):
             grants = [
                 (Descriptor.from_bytes(a[1]), arenas[rank])
@@ -775,10 +785,16 @@ class RedisIndex(IndexPlugin):
                 if rank and a is not None and a[0] is AllocationKind.EXISTS
             ]
             home = answer[0]
+            if retry and any(a.id in stale for a in arenas):
+                # One of its arenas was gone: its grants go back, and it is asked again.
+                if home is not None and home[0] is AllocationKind.GRANTED:
+                    grants.append((Descriptor.from_bytes(home[1]), arenas[0]))
+                self._orphan(request.key, grants)
+                again.append(i)
+                allocations.append(Allocation(kind=AllocationKind.NO_SPACE))
+                continue
             if home is None or home[0] not in (AllocationKind.GRANTED, AllocationKind.EXISTS):
                 self._orphan(request.key, grants)
-                if home is None and gone and retry:
-                    again.append(i)
                 kind = AllocationKind.NO_SPACE if home is None else home[0]
                 allocations.append(Allocation(kind=kind))
                 continue
@@ -807,11 +823,17 @@ class RedisIndex(IndexPlugin):
                 Allocation(kind=home[0], descriptor=first, replicas=tuple(d for d, _ in grants))
             )
         if again:
-            # Arenas this client did not know were replaced: read the registry again and
-            # ask the keys' arenas now (once).
-            self._count(stale_arenas=1)
+            # Arenas this client did not know were replaced, or not initialised yet (a node
+            # registering): read the registry again, initialise those it lists, and ask the
+            # keys' arenas now (once), the grants they got given back first.
+            self._count(stale_arenas=len(gone))
+            view = self._refresh()
+            self._init_arenas([view.arenas[a.id] for a in gone if a.id in view.arenas])
             retried = self._allocate_copies(
-                self._refresh(), [requests[i] for i in again], retry=False
+                view,
+                [requests[i] for i in again],
+                retry=False,
+                first=self._abort_calls(self._take_orphans()),
             )
             evictions += retried.evictions
             for i, allocation in zip(again, retried.allocations, strict=True):

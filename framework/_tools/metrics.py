@@ -11,8 +11,9 @@ prints the same text.
 Levels are gauges (capacity, used and free bytes, entries, nodes, regions); everything
 that only counts up is a counter. The rule is by name: the names in ``_GAUGES`` and every
 name ending in ``_bytes`` are levels (``used_bytes``), while totals of bytes moved are named
-``bytes_read``/``bytes_written`` and stay counters. A plugin reporting a level should name
-it so.
+``bytes_read``/``bytes_written`` and stay counters; a per-shard name (``shardN_entries``)
+follows the rule for what comes after its ``shardN_``. A plugin reporting a level should
+name it so.
 
 The collector reads the counters at scrape time, through a callable: the controller's own
 STATS request (so a scrape sees what ``kvfabric stats`` sees, served in order by the
@@ -40,7 +41,10 @@ Scopes = dict[str, dict[str, int]]
 
 _NODE_SCOPE = re.compile(r"^node (\d+) (.*)$")
 _UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
-_GAUGES = frozenset({"nodes", "entries", "pending", "regions", "registered"})
+_GAUGES = frozenset(
+    {"nodes", "entries", "pending", "regions", "registered", "arenas", "shards", "replicas"}
+)
+_SHARD = re.compile(r"^shard\d+_")
 
 _HELP: dict[str, str] = {
     # controller
@@ -84,7 +88,8 @@ _HELP: dict[str, str] = {
 
 
 def _kind(counter: str) -> str:
-    return "gauge" if counter in _GAUGES or counter.endswith("_bytes") else "counter"
+    level = _SHARD.sub("", counter)
+    return "gauge" if level in _GAUGES or level.endswith("_bytes") else "counter"
 
 
 def _help(family: str, scope: str, counter: str) -> str:

@@ -31,7 +31,7 @@ from kvfabric._node.membership import ControllerMembership, IndexMembership, Mem
 from kvfabric._node.node import DataNode
 from kvfabric._tools.endpoints import control_endpoint, listen_error
 from kvfabric._tools.metrics import MetricsServer, Scopes, ScopesCollector
-from kvfabric.errors import ConfigError, TransportError
+from kvfabric.errors import ConfigError, KvfabricError, TransportError
 from kvfabric.spi.backend import BackendConfig
 from kvfabric.spi.index import IndexConfig, IndexPlugin
 from kvfabric.spi.options import PluginOptions, group_plugin_options
@@ -353,14 +353,17 @@ def cmd_controller(args: argparse.Namespace) -> int:
     return 0
 
 
-def _membership(args: argparse.Namespace, credentials: Credentials | None) -> Membership:
-    """Where this node registers: its controller, or (``--index NAME``) a shared index."""
+def _membership(
+    args: argparse.Namespace, credentials: Credentials | None
+) -> tuple[Membership, IndexPlugin | None]:
+    """Where this node registers: its controller, or (``--index NAME``) a shared index
+    (returned too: the node's metrics show its counters, as a controller's show its own)."""
     if args.index:
         settings = PluginOptions(group_plugin_options(args.index_opt))
         index = _index_from(args, settings)
         settings.check_all_claimed("node's index")
         try:
-            return IndexMembership(index, f"the {args.index} index")
+            return IndexMembership(index, f"the {args.index} index"), index
         except BaseException:
             index.close()
             raise
@@ -369,12 +372,12 @@ def _membership(args: argparse.Namespace, credentials: Credentials | None) -> Me
         timeout=_duration(args.timeout, "--timeout"),
         retry_interval=min(_duration(args.heartbeat, "--heartbeat"), 1.0),
         credentials=credentials,
-    )
+    ), None
 
 
 def cmd_node(args: argparse.Namespace) -> int:
     credentials = _credentials(args)
-    membership = _membership(args, credentials)
+    membership, shared_index = _membership(args, credentials)
     try:
         node = _node_from(args, credentials, _settings(args, index=False))
     except BaseException:
@@ -387,12 +390,18 @@ def cmd_node(args: argparse.Namespace) -> int:
         def node_stats() -> Scopes:
             registered = agent.registered
             node_id = registered.id if registered is not None else 0
-            return {
+            scopes: Scopes = {
                 f"node {node_id} {node.name}": {
                     **node.stats(),
                     "registered": int(registered is not None),
                 }
             }
+            if shared_index is not None:
+                # No controller reports the shared index's counters (per shard, in Redis):
+                # every node does. One that cannot reach it still reports its own.
+                with contextlib.suppress(KvfabricError):
+                    scopes["index"] = shared_index.stats()
+            return scopes
 
         with _metrics(args, node_stats, f"node {node.name}") as metrics:
             for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,0 +1,80 @@
+"""Metrics of a store whose index is in Redis: nodes started with ``--index redis`` and
+``--metrics-port`` serve the index's counters too (no controller does), per shard, and the
+per-shard levels are gauges."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+import kvfabric
+from kvfabric._tools.metrics import families
+from kvfabric._tools.redis_cluster import RedisDeployment
+from kvfabric.keys import chain_keys
+from kvfabric.testing import Cluster
+
+
+@pytest.fixture(scope="module")
+def nodes(redis_cluster: RedisDeployment) -> Iterator[Cluster]:
+    with Cluster(
+        nodes=1, transports=("tcp",), redis=redis_cluster.url, node_args=["--metrics-port", "0"]
+    ) as cluster:
+        yield cluster
+
+
+def _scrape(cluster: Cluster) -> str:
+    node = cluster.nodes[0]
+    assert node is not None
+    match = re.search(r"http://\S+/metrics", node.ready_line)
+    assert match, node.ready_line
+    with urllib.request.urlopen(match.group(0), timeout=10) as response:
+        return str(response.read().decode())
+
+
+def test_per_shard_levels_are_gauges_and_round_trips_counters() -> None:
+    kinds = {
+        metric.name: metric.type
+        for metric in families(
+            {
+                "index": {
+                    "shard0_entries": 3,
+                    "shard12_used_bytes": 4096,
+                    "shard0_round_trips": 9,
+                    "shards": 3,
+                    "arenas": 12,
+                    "entries": 3,
+                    "round_trips": 9,
+                }
+            }
+        )
+    }
+    assert kinds == {
+        "kvfabric_index_shard0_entries": "gauge",
+        "kvfabric_index_shard12_used_bytes": "gauge",
+        "kvfabric_index_shard0_round_trips": "counter",
+        "kvfabric_index_shards": "gauge",
+        "kvfabric_index_arenas": "gauge",
+        "kvfabric_index_entries": "gauge",
+        "kvfabric_index_round_trips": "counter",
+    }
+
+
+def test_a_node_of_a_shared_index_serves_its_counters_per_shard(nodes: Cluster) -> None:
+    keys = chain_keys(list(range(300)), 1, namespace=uuid.uuid4().bytes)
+    with kvfabric.connect(nodes.url(transport="tcp")) as store:
+        store.batched_put(keys, [b"v" * 100] * len(keys))
+    text = _scrape(nodes)
+    samples = dict(
+        line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
+    )
+    assert "# TYPE kvfabric_index_shard0_entries gauge" in text
+    assert "# TYPE kvfabric_index_entries gauge" in text
+    assert float(samples["kvfabric_index_shards"]) == 3
+    per_shard = [float(samples[f"kvfabric_index_shard{i}_entries"]) for i in range(3)]
+    print(f"\nentries per shard: {per_shard}")
+    assert sum(per_shard) == float(samples["kvfabric_index_entries"]) == 300
+    assert float(samples["kvfabric_index_published_total"]) == 300

@@ -6,10 +6,11 @@ replicas=1)`` starts ``masters * (1 + replicas)`` servers in cluster mode and jo
 served and every replica is in sync. Persistence is off and every file lives in a temporary
 directory that :meth:`RedisDeployment.close` removes, with the processes.
 
-Fault tests use :meth:`RedisDeployment.kill` (``kill -9``) and
+Fault tests use :meth:`RedisDeployment.kill` (``kill -9``),
 :meth:`RedisDeployment.wait_healthy` (the slots of a dead master served again, by its promoted
-replica). The cluster's node timeout is short (``node_timeout``, 1 s by default) so a failover
-takes a couple of seconds, and ``cluster-require-full-coverage no`` keeps the other masters
+replica) and :meth:`RedisDeployment.restart` (a single server back, empty). The cluster's
+node timeout is short (``node_timeout``, 1 s by default) so a failover takes a couple of
+seconds, and ``cluster-require-full-coverage no`` keeps the other masters
 serving while one is down, as kvfabric's deployment guide recommends (docs/redis.md).
 
 redis-py is imported lazily: the module itself needs only the standard library.
@@ -130,13 +131,15 @@ class RedisDeployment:
             raise
         return deployment
 
-    def _start_server(self, *, cluster: bool, node_timeout_ms: int) -> RedisProcess:
+    def _start_server(
+        self, *, cluster: bool, node_timeout_ms: int, port: int | None = None
+    ) -> RedisProcess:
         binary = redis_server_binary()
         if binary is None:
             raise FileNotFoundError(
                 "redis-server and redis-cli are not installed (apt-get install redis-server)"
             )
-        port = _free_port_pair()
+        port = port or _free_port_pair()
         args = [
             binary,
             "--port",
@@ -279,6 +282,17 @@ class RedisDeployment:
         server.process.send_signal(signal.SIGKILL)
         server.process.wait(timeout=10)
         server.alive = False
+
+    def restart(self, port: int) -> None:
+        """Start the single server that was on ``port`` again, empty (persistence is off):
+        what a Redis restarted without RDB or AOF looks like to its clients."""
+        if self.is_cluster:
+            raise ValueError("restart starts a single server again; a cluster fails over")
+        old = next(s for s in self.servers if s.port == port)
+        if old.alive:
+            self.kill(port)
+        self.servers.remove(old)
+        self._wait_ping(self._start_server(cluster=False, node_timeout_ms=0, port=port))
 
     def wait_healthy(self, timeout: float = 60.0) -> float:
         """Wait until every slot is served by a live master whose replicas are in sync and

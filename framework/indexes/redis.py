@@ -140,6 +140,9 @@ class _View:
     arenas: dict[int, Arena]
     ring: Ring
     dropped: frozenset[int]
+    born: bytes = b"0"
+    """When the registry was created: a new one (Redis restarted empty) starts its epochs
+    again, and is told apart by this."""
 
 
 _EMPTY = _View(epoch=-1, nodes={}, arenas={}, ring=Ring(()), dropped=frozenset())
@@ -307,12 +310,13 @@ class RedisIndex(IndexPlugin):
         """Read the registry if its epoch moved (one round trip to the registry's master)."""
         with self._lock:
             known = -1 if force else self._view.epoch
-        reply = self._registry_call("kvf1_registry", known, read_only=True)
+            born = self._view.born
+        reply = self._registry_call("kvf1_registry", known, born, read_only=True)
         if len(reply) == 1:
             with self._lock:
                 self._stale = False
                 return self._view
-        epoch, flat_nodes, flat_arenas, dropped = reply
+        epoch, flat_nodes, flat_arenas, dropped, born = reply
         nodes: dict[int, NodeInfo] = {}
         for i in range(0, len(flat_nodes), 3):
             info = NodeInfo.from_bytes(flat_nodes[i + 2])
@@ -330,9 +334,10 @@ class RedisIndex(IndexPlugin):
             arenas=arenas,
             ring=Ring(sorted(arenas.values(), key=lambda a: a.id)),
             dropped=frozenset(int(a) for a in dropped),
+            born=born,
         )
         with self._lock:
-            if view.epoch >= self._view.epoch or force:
+            if view.epoch >= self._view.epoch or view.born != self._view.born or force:
                 self._view = view
             self._stale = False
             return self._view

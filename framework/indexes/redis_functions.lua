@@ -958,6 +958,13 @@ local function register(keys, args)
     if left > 0 then return {'in-use', left} end
   end
   redis.call('HSET', R .. 'instance', id, instance)
+  -- A registry created afresh (a Redis restarted without persistence) is told apart by
+  -- when it was born, and its incarnations start from that time: a client never mistakes
+  -- a node of the new registry for one it knew under the same id.
+  local _, now_us = clock()
+  if redis.call('HSETNX', keys[1], 'born', fmt(now_us)) == 1 then
+    redis.call('HSET', keys[1], 'incarnation', fmt(now_us))
+  end
   local inc = redis.call('HINCRBY', keys[1], 'incarnation', 1)
   redis.call('HSET', R .. 'nodes', id, args[6])
   redis.call('HSET', R .. 'inc', id, fmt(inc))
@@ -1033,12 +1040,13 @@ local function remove(keys, args)
   return {1, dropped}
 end
 
--- ARGV: the epoch the caller knows. Returns the epoch alone if unchanged, else the epoch,
--- {id, incarnation, info}..., {arena id, record}..., {dropped arena ids}.
+-- ARGV: the epoch and birth the caller knows. Returns the epoch alone if unchanged, else the
+-- epoch, {id, incarnation, info}..., {arena id, record}..., {dropped arena ids}, birth.
 local function registry(keys, args)
   local R = registry_prefix(keys)
   local epoch = tonumber(redis.call('HGET', keys[1], 'epoch') or '0')
-  if args[1] and tonumber(args[1]) == epoch then return {epoch} end
+  local born = redis.call('HGET', keys[1], 'born') or '0'
+  if args[1] and tonumber(args[1]) == epoch and args[2] == born then return {epoch} end
   local nodes = redis.call('HGETALL', R .. 'nodes')
   local out = {}
   for i = 1, #nodes, 2 do
@@ -1046,7 +1054,8 @@ local function registry(keys, args)
     out[#out + 1] = redis.call('HGET', R .. 'inc', nodes[i]) or '0'
     out[#out + 1] = nodes[i + 1]
   end
-  return {epoch, out, redis.call('HGETALL', R .. 'arenas'), redis.call('SMEMBERS', R .. 'dropped')}
+  return {epoch, out, redis.call('HGETALL', R .. 'arenas'), redis.call('SMEMBERS', R .. 'dropped'),
+    born}
 end
 
 -- ARGV: id, incarnation. The node is alive for its TTL more; 0 if that incarnation is not

@@ -219,3 +219,41 @@ def test_killing_a_data_node_with_two_copies_loses_no_hit(three_nodes: Cluster) 
         store.batched_put(keys, values)
         repaired = store.stats()["replica_repairs"] - before["replica_repairs"]
     assert repaired == copies_on_victim
+
+
+def test_a_redis_restarted_empty_gets_the_nodes_and_their_records_back(
+    redis_single: RedisDeployment,
+) -> None:
+    """Redis restarted without persistence: each node finds its registration gone,
+    registers again and reports the records its memory holds (as after a controller
+    restart); the client reads the new registry (a new birth, its epochs counted afresh)
+    and finds every value again, and stores new ones."""
+    with Cluster(nodes=2, transports=("tcp",), capacity="64MiB", redis=redis_single.url) as nodes:
+        # A node stopped and started again: the registry's epoch moves on, past where the
+        # new registry will be when both nodes are back.
+        stopping = nodes.nodes[1]
+        assert stopping is not None
+        stopping.stop()  # SIGTERM: it deregisters
+        nodes.nodes[1] = None
+        nodes.wait_nodes(1)
+        nodes.start_node(1)
+        nodes.wait_nodes(2)
+        keys = chain_keys(list(range(64)), 1, namespace=uuid.uuid4().bytes)
+        values = [os.urandom(1000) for _ in keys]
+        with kvfabric.connect(nodes.url(transport="tcp")) as store:
+            assert store.batched_put(keys[:32], values[:32]) == [PutOutcome.STORED] * 32
+            redis_single.restart(redis_single.servers[0].port)
+            started = time.monotonic()
+            deadline = started + 30
+            while time.monotonic() < deadline and store.batched_contains(keys[:32]) < 32:
+                time.sleep(0.1)
+            print(
+                f"\nredis restarted empty: every key found again after "
+                f"{time.monotonic() - started:.1f} s"
+            )
+            assert store.batched_contains(keys[:32]) == 32
+            assert store.batched_put(keys, values) == (
+                [PutOutcome.DEDUPLICATED] * 32 + [PutOutcome.STORED] * 32
+            )
+            assert store.batched_contains(keys) == 64
+            assert [bytes(v) if v is not None else None for v in store.batched_get(keys)] == values

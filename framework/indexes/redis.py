@@ -732,7 +732,7 @@ class RedisIndex(IndexPlugin):
         requests: Sequence[AllocationRequest],
         *,
         retry: bool,
-        first: Sequence[Call] = (),
+        aborts_first: Sequence[Call] = (),
     ) -> AllocateResult:
         """Allocate every copy of every key in one round: each key's arenas
         (:meth:`Ring.copies_of`) allocate as for a key of their own, and the home's answer
@@ -755,11 +755,11 @@ class RedisIndex(IndexPlugin):
         gone: list[Arena] = []
         evictions = 0
         notices: list[Any] = []
-        # ``first`` (aborts) go ahead in the same pipelines: a master runs them in order.
-        replies = self._run([*first, *calls]).values
-        for value in replies[: len(first)]:
+        # ``aborts_first`` go ahead in the same pipelines: a master runs them in order.
+        replies = self._run([*aborts_first, *calls]).values
+        for value in replies[: len(aborts_first)]:
             _raise_unexpected(value)
-        for (arena, positions, _), reply in zip(groups, replies[len(first) :], strict=True):
+        for (arena, positions, _), reply in zip(groups, replies[len(aborts_first) :], strict=True):
             if isinstance(reply, Exception):
                 _raise_unexpected(reply)
                 continue  # nothing was granted there
@@ -838,7 +838,7 @@ class RedisIndex(IndexPlugin):
                 view,
                 [requests[i] for i in again],
                 retry=False,
-                first=self._abort_calls(self._take_orphans()),
+                aborts_first=self._abort_calls(self._take_orphans()),
             )
             evictions += retried.evictions
             for i, allocation in zip(again, retried.allocations, strict=True):

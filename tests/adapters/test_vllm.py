@@ -6,6 +6,11 @@ controller and data-node processes on 127.0.0.1. A computes and stores; B must l
 stored and produce A's greedy tokens and logprobs, recompute what it cannot load intact,
 and treat an outage of kvfabric as misses. Each engine process serves several prompts
 (``vllm/engine.py``). The tests share the engines and run in file order.
+
+``KVFABRIC_ADAPTER_INDEX=redis`` (or ``redis-cluster``) runs them against data nodes
+registered with the redis index, no controller: only the store URL changes
+(``adapter_deployment``); there a lookup costs a round to Redis instead of reading the
+controller's lookup image.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from adapter_deployment import LOOKUP_RPCS, Deployment, deployment
 
 import kvfabric
 from kvfabric.testing import Cluster, corrupt_payload
@@ -148,9 +154,19 @@ def model(logs: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with Cluster(nodes=1, capacity="256MiB") as cluster:
-        yield cluster
+def kvfabric_deployment() -> Iterator[Deployment]:
+    with deployment(nodes=1, capacity="256MiB") as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def cluster(kvfabric_deployment: Deployment) -> Cluster:
+    return kvfabric_deployment.cluster
+
+
+def controller_counters(cluster: Cluster) -> dict[str, int]:
+    """What the controller served ({} without one: the engines' counters say it)."""
+    return {} if cluster.redis else cluster.stats()["controller"]
 
 
 @pytest.fixture(scope="module")
@@ -209,11 +225,11 @@ def test_engine_a_stores_every_full_block_of_its_prompt(
 def test_engine_b_loads_the_whole_prefix_and_reproduces_a(
     engines: dict[str, EngineProcess], a_outputs: dict[str, Any], cluster: Cluster
 ) -> None:
-    before = cluster.stats()["controller"]
+    before = controller_counters(cluster)
     out = engines["B"].generate(SHARED)
-    after = cluster.stats()["controller"]
+    after = controller_counters(cluster)
     lookups = after.get("rpc_lookup_prefix", 0) - before.get("rpc_lookup_prefix", 0)
-    rpcs = after["rpcs"] - before["rpcs"]
+    rpcs = after.get("rpcs", 0) - before.get("rpcs", 0)
     scheduler, worker = out["counters"]["scheduler"], out["counters"]["worker"]
     print(
         f"B: external hit {out['num_cached_tokens']} tokens of {len(SHARED)}, "
@@ -226,10 +242,10 @@ def test_engine_b_loads_the_whole_prefix_and_reproduces_a(
     assert worker.get("load_errors", 0) == 0
     assert_same_output(a_outputs["shared"], out)
     # The lookup of one request reads the controller's lookup image: no control RPC, counted
-    # by the connector around its batched_contains and by the controller; the load needs
-    # none either (the lookup's descriptors travel to the worker).
+    # by the connector around its batched_contains and by the controller (Redis: one
+    # round); the load needs none either (the lookup's descriptors travel to the worker).
     assert scheduler["lookups"] == 1
-    assert scheduler["lookup_control_rpcs"] == 0
+    assert scheduler["lookup_control_rpcs"] == LOOKUP_RPCS
     assert lookups == 0
     assert worker["load_control_rpcs"] == 0
     assert rpcs == 0
@@ -245,7 +261,7 @@ def test_lookup_leaves_a_token_to_compute_skips_local_blocks_and_can_repeat(
     # image each time (no control RPC).
     assert exact["answers"] == [[9 * BLOCK, False]] * 3
     assert exact["counters"]["lookups"] == 3
-    assert exact["counters"]["lookup_control_rpcs"] == 0
+    assert exact["counters"]["lookup_control_rpcs"] == 3 * LOOKUP_RPCS
     # Blocks vLLM has in its own prefix cache are not asked for.
     local = b.call("lookup", prompt=SHARED, num_computed_tokens=4 * BLOCK, repeat=1)
     assert local["answers"] == [[6 * BLOCK, False]]
@@ -366,9 +382,11 @@ def test_dead_data_node_makes_loads_fail_or_miss_and_b_recomputes(
 
 
 def test_dead_controller_makes_lookups_miss_and_b_recomputes(
-    engines: dict[str, EngineProcess], a_outputs: dict[str, Any], cluster: Cluster
+    engines: dict[str, EngineProcess],
+    a_outputs: dict[str, Any],
+    kvfabric_deployment: Deployment,
 ) -> None:
-    cluster.kill_controller()
+    kvfabric_deployment.kill_index()  # the controller, or every Redis server
     out = engines["B"].generate(SHARED, reset_prefix_cache=True, timeout=60)
     print(f"B, controller dead: counters {out['counters']}")
     assert out["num_cached_tokens"] == 0

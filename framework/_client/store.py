@@ -617,16 +617,17 @@ class Store:
     # -- internals ---------------------------------------------------------------------
 
     def _ask(self, method: Callable[..., T], *args: Any) -> T | None:
-        """One index call, counted; a controller failure is counted, logged and gives None."""
+        """One index call, counted; a failure of the index (a controller, or a shared index
+        such as Redis) is counted, logged and gives None."""
         self._counters.add("control_rpcs")
         try:
             return method(*args)
         except ControllerUnavailableError as exc:
             self._counters.add("controller_unavailable")
-            log.warning("kvfabric controller unavailable (%s): treating as a miss", exc)
+            log.warning("kvfabric: index unavailable (%s): treating as a miss", exc)
         except (RemoteError, ProtocolError) as exc:
             self._counters.add("controller_errors")
-            log.warning("kvfabric controller error (%s): treating as a miss", exc)
+            log.warning("kvfabric: index error (%s): treating as a miss", exc)
         return None
 
     def _resolve(self, keys: Sequence[bytes]) -> list[Descriptor | None]:

@@ -117,6 +117,9 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     from kvfabric._tools.stats_format import FORMATS
     from kvfabric.spi.units import parse_duration
 
+    if args.index:
+        print(FORMATS[args.format](_shared_index_stats(args)))
+        return 0
     secret = load_secret(args.secret_file)
     endpoint = control_endpoint(args.controller, "--controller")
     client = ControlClient(
@@ -136,6 +139,26 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         client.close()
     print(FORMATS[args.format](scopes))
     return 0
+
+
+def _shared_index_stats(args: argparse.Namespace) -> dict[str, dict[str, int]]:
+    """A shared index's counters (per shard for redis) and what it lists of each node,
+    read from the index itself: there is no controller to ask. The nodes' own counters
+    (bytes served, connections) are on each node's --metrics-port."""
+    from kvfabric._tools.server_cli import index_from_options
+
+    index = index_from_options(args.index, args.index_opt)
+    try:
+        scopes: dict[str, dict[str, int]] = {"index": index.stats()}
+        for node in index.nodes():
+            scopes[f"node {node.id} {node.name}"] = {
+                "incarnation": node.incarnation,
+                "regions": len(node.regions),
+                "capacity_bytes": sum(r.size for r in node.regions),
+            }
+    finally:
+        index.close()
+    return scopes
 
 
 def _print_table(rows: Sequence[Sequence[str]]) -> None:
@@ -224,6 +247,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1:7100",
         metavar="HOST:PORT",
         help="the controller's address (HOST:PORT, tcp://HOST:PORT or kvfabric://HOST:PORT)",
+    )
+    stats.add_argument(
+        "--index",
+        default=None,
+        metavar="NAME",
+        help="read a shared index directly instead of a controller (e.g. redis, with "
+        "--index-opt redis.url=redis://HOST:PORT)",
+    )
+    stats.add_argument(
+        "--index-opt",
+        action="append",
+        default=[],
+        metavar="NAME.OPTION=VALUE",
+        help="an option of the shared index (repeatable)",
     )
     stats.add_argument(
         "--secret-file", default=None, help="shared secret (else $KVFABRIC_SECRET, if set)"

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import attrs
 import zmq
 
+from kvfabric._client.shared_index import check_shared
 from kvfabric._control.client import ControlClient
 from kvfabric._control.controller import Controller
 from kvfabric._control.remote_index import fetch_stats
@@ -353,15 +354,28 @@ def cmd_controller(args: argparse.Namespace) -> int:
     return 0
 
 
+def index_from_options(name: str, index_opt: list[str]) -> IndexPlugin:
+    """A client of the shared index ``name`` with ``--index-opt`` settings (``kvfabric node
+    --index`` and ``kvfabric stats --index``): a ConfigError for an index that lives inside
+    a controller, or an option it does not take."""
+    settings = PluginOptions(group_plugin_options(index_opt))
+    check_shared(plugin_manager().index(name))
+    index = _index_from(argparse.Namespace(index=name), settings)
+    try:
+        settings.check_all_claimed(f"{name} index")
+    except BaseException:
+        index.close()
+        raise
+    return index
+
+
 def _membership(
     args: argparse.Namespace, credentials: Credentials | None
 ) -> tuple[Membership, IndexPlugin | None]:
     """Where this node registers: its controller, or (``--index NAME``) a shared index
     (returned too: the node's metrics show its counters, as a controller's show its own)."""
     if args.index:
-        settings = PluginOptions(group_plugin_options(args.index_opt))
-        index = _index_from(args, settings)
-        settings.check_all_claimed("node's index")
+        index = index_from_options(args.index, args.index_opt)
         try:
             return IndexMembership(index, f"the {args.index} index"), index
         except BaseException:

@@ -4,7 +4,10 @@ per-shard levels are gauges."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -78,3 +81,46 @@ def test_a_node_of_a_shared_index_serves_its_counters_per_shard(nodes: Cluster) 
     print(f"\nentries per shard: {per_shard}")
     assert sum(per_shard) == float(samples["kvfabric_index_entries"]) == 300
     assert float(samples["kvfabric_index_published_total"]) == 300
+
+
+def test_stats_reads_a_shared_index_directly(nodes: Cluster) -> None:
+    # `kvfabric stats --index redis` asks Redis itself: there is no controller to ask.
+    keys = chain_keys(list(range(50)), 1, namespace=uuid.uuid4().bytes)
+    with kvfabric.connect(nodes.url(transport="tcp")) as store:
+        store.batched_put(keys, [b"v" * 100] * len(keys))
+    options = [f"--index-opt={k}={v}" for k, v in nodes.index_options().items()]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvfabric",
+            "stats",
+            "--index",
+            "redis",
+            *options,
+            "--format",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    scopes = json.loads(done.stdout)
+    assert scopes["index"]["shards"] == 3
+    assert sum(scopes["index"][f"shard{i}_entries"] for i in range(3)) == scopes["index"]["entries"]
+    assert scopes["index"]["entries"] >= 50
+    (node,) = [v for k, v in scopes.items() if k.startswith("node ")]
+    assert node["capacity_bytes"] > 0
+
+
+def test_stats_refuses_an_index_that_lives_in_a_controller() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvfabric", "stats", "--index", "memory"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "controller" in done.stderr
+    assert "Traceback" not in done.stderr

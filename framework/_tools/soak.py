@@ -52,6 +52,9 @@ __all__ = ["SoakConfig", "SoakReport", "run_soak"]
 # A client call must return within this (controller and node timeouts are 1-2 s; the rest is
 # slack for a loaded machine): anything longer is a hang, counted as "outlived".
 CALL_BOUND = 15.0
+FAULT_SETTLE = 2.0
+"""Seconds after service is back that still count as the fault's window: a restarted node or
+controller is re-publishing restored records then, and restoring space is never evicted."""
 
 
 @attrs.frozen(kw_only=True)
@@ -74,6 +77,8 @@ class SoakReport:
     outlived: int
     puts_after_full: int
     no_space_after_full: int
+    puts_in_faults: int
+    no_space_in_faults: int
     outcomes: dict[str, int]
     recoveries: list[tuple[str, float]]
     fuzzed_control: int
@@ -83,7 +88,14 @@ class SoakReport:
 
     @property
     def no_space_share(self) -> float:
+        """Of the puts once full, outside fault windows: what churn alone costs."""
         return self.no_space_after_full / max(self.puts_after_full, 1)
+
+    @property
+    def no_space_share_in_faults(self) -> float:
+        """Of the puts once full that overlapped a fault window: while a node or the
+        controller is down or restoring, its space cannot be granted or evicted."""
+        return self.no_space_in_faults / max(self.puts_in_faults, 1)
 
 
 def value_for(key: bytes, sizes: tuple[int, int]) -> bytes:
@@ -94,8 +106,10 @@ def value_for(key: bytes, sizes: tuple[int, int]) -> bytes:
     return np.random.default_rng(seed).bytes(size)
 
 
-def _client(url: str, config: SoakConfig, index: int, stop: Any, out: Any) -> None:
-    """One client process: mixed operations until ``stop`` is set; totals go to ``out``."""
+def _client(url: str, config: SoakConfig, index: int, stop: Any, fault: Any, out: Any) -> None:
+    """One client process: mixed operations until ``stop`` is set; totals go to ``out``.
+    Puts that overlap a fault window (``fault`` set at their start or end) are counted
+    apart."""
     # Misses during faults are expected here and counted below; their warnings are noise.
     logging.getLogger("kvfabric").setLevel(logging.ERROR)
     rng = random.Random(config.seed * 1000 + index)
@@ -107,15 +121,18 @@ def _client(url: str, config: SoakConfig, index: int, stop: Any, out: Any) -> No
             op = rng.random()
             started = time.monotonic()
             if op < 0.4:
+                in_fault = fault.is_set()
                 outcomes = store.batched_put(
                     batch, [value_for(k, config.value_sizes) for k in batch]
                 )
+                in_fault = in_fault or fault.is_set()
                 full = store.stats()["evictions"] > 0 or totals["evictions_seen"] > 0
+                where = "in_faults" if in_fault else "after_full"
                 for outcome in outcomes:
                     totals[f"put_{outcome.value}"] += 1
                     if full:
-                        totals["puts_after_full"] += 1
-                        totals["no_space_after_full"] += outcome is PutOutcome.NO_SPACE
+                        totals[f"puts_{where}"] += 1
+                        totals[f"no_space_{where}"] += outcome is PutOutcome.NO_SPACE
                 totals["evictions_seen"] = store.stats()["evictions"]
             elif op < 0.6:
                 store.batched_contains(batch)
@@ -280,9 +297,10 @@ def run_soak(config: SoakConfig, log: Callable[[str], None] = print) -> SoakRepo
         url = cluster.url(timeout="2s", control_timeout="1s", retry_interval="200ms")
         rss_before = _server_rss(cluster)
         stop = ctx.Event()
+        fault = ctx.Event()  # set from a kill until FAULT_SETTLE after service is back
         results = ctx.Queue()
         procs = [
-            ctx.Process(target=_client, args=(url, config, i, stop, results), daemon=True)
+            ctx.Process(target=_client, args=(url, config, i, stop, fault, results), daemon=True)
             for i in range(config.clients)
         ]
         for proc in procs:
@@ -312,6 +330,7 @@ def run_soak(config: SoakConfig, log: Callable[[str], None] = print) -> SoakRepo
         for n in range(rounds):
             time.sleep(max(0.0, started + (n + 1) * interval - time.monotonic()))
             victim = rng.choice(["node", "node", "controller", "writer"])
+            fault.set()
             if victim == "node":
                 index = rng.randrange(len(cluster.nodes))
                 cluster.kill_node(index)
@@ -324,12 +343,14 @@ def run_soak(config: SoakConfig, log: Callable[[str], None] = print) -> SoakRepo
                 procs[index].kill()
                 procs[index].join()
                 procs[index] = ctx.Process(
-                    target=_client, args=(url, config, 100 + n, stop, results), daemon=True
+                    target=_client, args=(url, config, 100 + n, stop, fault, results), daemon=True
                 )
                 procs[index].start()
             recovery = _wait_recovered(probe)
             recoveries.append((victim, recovery))
             log(f"fault {n + 1}/{rounds}: {victim} killed; service back in {recovery:.2f}s")
+            time.sleep(FAULT_SETTLE)  # restored records are being re-published meanwhile
+            fault.clear()
         time.sleep(max(0.0, started + config.seconds - time.monotonic()))
         stop.set()
         fuzz_stop.set()
@@ -352,6 +373,8 @@ def run_soak(config: SoakConfig, log: Callable[[str], None] = print) -> SoakRepo
         outlived=totals["outlived"],
         puts_after_full=totals["puts_after_full"],
         no_space_after_full=totals["no_space_after_full"],
+        puts_in_faults=totals["puts_in_faults"],
+        no_space_in_faults=totals["no_space_in_faults"],
         outcomes=outcomes,
         recoveries=recoveries,
         fuzzed_control=fuzzed["control"],
@@ -366,8 +389,13 @@ def print_report(report: SoakReport) -> None:
     print(f"per-key operations          {report.ops:>12,}")
     print(f"wrong values                {report.wrong_values:>12}   (must be 0)")
     print(f"calls past {CALL_BOUND:g}s            {report.outlived:>12}   (must be 0)")
-    print(f"puts once full              {report.puts_after_full:>12,}")
-    print(f"NO_SPACE share once full    {report.no_space_share:>12.2%}")
+    print(f"puts once full              {report.puts_after_full:>12,}   (outside faults)")
+    print(f"NO_SPACE share once full    {report.no_space_share:>12.2%}   (outside faults)")
+    print(
+        f"NO_SPACE share in faults    {report.no_space_share_in_faults:>12.2%}   "
+        f"(of {report.puts_in_faults:,} puts from a kill to {FAULT_SETTLE:g}s after service"
+        " is back)"
+    )
     print(f"put outcomes                {report.outcomes}")
     print(f"fuzzed control frames       {report.fuzzed_control:>12,}")
     print(f"fuzzed data-port requests   {report.fuzzed_data:>12,}")

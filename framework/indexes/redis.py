@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
@@ -704,14 +704,14 @@ class RedisIndex(IndexPlugin):
             replies = self._run(calls).values
             for group, reply in zip(groups, replies, strict=True):
                 _, indexes, _ = group
-                if isinstance(reply, Exception):
-                    _raise_unexpected(reply)
+                parsed = _allocation_answer(reply)
+                if parsed is None:
                     continue  # NO_SPACE: nothing was granted there
-                if reply[0] == b"gone":
+                if parsed == "gone":
                     gone.append(group)
                     continue
-                _, evicted, kinds, entries, found = reply
-                evictions += int(evicted)
+                evicted, kinds, entries, found = parsed
+                evictions += evicted
                 notices += found
                 for i, kind, raw in zip(indexes, kinds, entries, strict=True):
                     allocation_kind = _KINDS[int(kind)]
@@ -760,14 +760,14 @@ class RedisIndex(IndexPlugin):
         for value in replies[: len(aborts_first)]:
             _raise_unexpected(value)
         for (arena, positions, _), reply in zip(groups, replies[len(aborts_first) :], strict=True):
-            if isinstance(reply, Exception):
-                _raise_unexpected(reply)
+            parsed = _allocation_answer(reply)
+            if parsed is None:
                 continue  # nothing was granted there
-            if reply[0] == b"gone":
+            if parsed == "gone":
                 gone.append(arena)
                 continue
-            _, evicted, kinds, entries, found = reply
-            evictions += int(evicted)
+            evicted, kinds, entries, found = parsed
+            evictions += evicted
             notices += found
             for position, kind, raw in zip(positions, kinds, entries, strict=True):
                 i, rank = where[position]
@@ -1240,6 +1240,22 @@ def _alternates(entry: bytes, view: _View) -> tuple[Descriptor, ...]:
         tail = tail[8:]
     usable = len(tail) - len(tail) % DESCRIPTOR_SIZE
     return tuple(d for d in Descriptor.many_from_bytes(tail[:usable]) if d.node in view.nodes)
+
+
+def _allocation_answer(
+    reply: Any,
+) -> tuple[int, list[Any], list[Any], list[Any]] | Literal["gone"] | None:
+    """An arena's ``kvf1_allocate`` reply as (evictions, kinds, entries, notices of keys held
+    elsewhere); ``"gone"`` for an arena that is gone (replaced, or not initialised yet by a
+    registering node); None where the call failed, so that nothing was granted there (an
+    unexpected failure raises)."""
+    if isinstance(reply, Exception):
+        _raise_unexpected(reply)
+        return None
+    if reply[0] == b"gone":
+        return "gone"
+    _, evicted, kinds, entries, found = reply
+    return int(evicted), kinds, entries, found
 
 
 def _ok(value: Any) -> bool:

@@ -149,7 +149,7 @@ def _shared_index_stats(args: argparse.Namespace) -> dict[str, dict[str, int]]:
 
     index = index_from_options(args.index, args.index_opt)
     try:
-        scopes: dict[str, dict[str, int]] = {"index": index.stats()}
+        scopes: dict[str, dict[str, int]] = {"index": index.shared_stats()}
         for node in index.nodes():
             scopes[f"node {node.id} {node.name}"] = {
                 "incarnation": node.incarnation,

@@ -414,7 +414,7 @@ def cmd_node(args: argparse.Namespace) -> int:
                 # No controller reports the shared index's counters (per shard, in Redis):
                 # every node does. One that cannot reach it still reports its own.
                 with contextlib.suppress(KvfabricError):
-                    scopes["index"] = shared_index.stats()
+                    scopes["index"] = shared_index.shared_stats()
             return scopes
 
         with _metrics(args, node_stats, f"node {node.name}") as metrics:

@@ -103,6 +103,9 @@ _CLIENT_COUNTERS = (
     "replica_repairs",
     "orphan_grants",
 )
+_ROUND_COUNTERS = ("rounds", "round_trips", "failed_round_trips", "topology_refreshes")
+"""This client's traffic to Redis (in ``stats``; per master too, ``shardN_round_trips``)."""
+
 _ARENA_COUNTERS = (
     "grants",
     "dedup_hits",
@@ -1135,6 +1138,16 @@ class RedisIndex(IndexPlugin):
             out[f"shard{i}_used_bytes"] = per_shard[master]["used"]
             out[f"shard{i}_round_trips"] = trips.get(master, 0)
         return out
+
+    def shared_stats(self) -> dict[str, int]:
+        # Lookups run read-only in Redis (FCALL_RO) and count nothing there: they, the
+        # rounds and every other client-side counter belong to each client's own stats.
+        local = {*_CLIENT_COUNTERS, *_ROUND_COUNTERS}
+        return {
+            name: value
+            for name, value in self.stats().items()
+            if name not in local and not name.endswith("_round_trips")
+        }
 
     def round_trip_counts(self) -> dict[str, int]:
         """Rounds and round trips this client made so far (``rounds``, ``round_trips``, and

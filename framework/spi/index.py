@@ -276,6 +276,14 @@ class Index(abc.ABC):
     def stats(self) -> dict[str, int]:
         """Counters and gauges (entries, capacity, hits, evictions, ...)."""
 
+    def shared_stats(self) -> dict[str, int]:
+        """The counters of the index's shared state alone, for processes that read a
+        *shared* index without being its clients (``kvfabric stats --index``, a data node's
+        metrics): :meth:`stats` less what counts this process's own calls (a shared index's
+        lookups, say, run in each client and are counted there), which would read as zero.
+        By default: :meth:`stats`."""
+        return self.stats()
+
     def touch(self, keys: Sequence[bytes]) -> None:
         """Clients used these keys without asking the index (they read its lookup image):
         count them as used now, so eviction still sees the use. Clients send these in the

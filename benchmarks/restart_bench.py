@@ -14,6 +14,8 @@ Rows:
   (register, restore in frames of 8192, done) — the controller's share of the rebuild;
 - *node scan*: a data node's scan of its memory holding N records;
 - *file rescan*: a ``file`` node's scan of S bytes of records on restart;
+- *sync cost*: back-to-back puts into a ``file`` store with ``file.sync`` off, every second
+  and every 100 ms (what a power-loss bound costs writers);
 - *put / get file vs dram*: 64 x 4 MiB through embedded stores over ``shm`` (first put into
   fresh files, then a get into the caller's buffers), and the same on ``dram`` in the same
   process: the ratio is what files cost.
@@ -143,6 +145,25 @@ def put_get(url: str, repeat: int = 3) -> tuple[float, float]:
     return statistics.median(puts), statistics.median(gets)
 
 
+def sustained_puts(url: str, seconds: float = 4.0) -> float:
+    """GB/s of back-to-back puts of 64 fresh 1 MiB values into a 512 MiB store (evicting
+    once full) for ``seconds``: what a periodic ``file.sync`` flush costs writers."""
+    chunk = np.random.default_rng(1).bytes(1 << 20)
+    moved = 0
+    with (
+        tempfile.TemporaryDirectory(prefix="kvfabric-bench-") as path,
+        kvfabric.connect(url.format(path=path)) as store,
+    ):
+        started = time.perf_counter()
+        batch = 0
+        while time.perf_counter() - started < seconds:
+            outcomes = store.batched_put(_keys(64, f"sync{batch}"), [chunk] * 64)
+            moved += sum(o is kvfabric.PutOutcome.STORED for o in outcomes) << 20
+            batch += 1
+        elapsed = time.perf_counter() - started
+    return moved / elapsed / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--full", action="store_true", help="add 1M entries and a 1 GiB file")
@@ -170,6 +191,15 @@ def main() -> None:
     for name, (put, get) in (("dram", dram), ("file", files)):
         print(f"{name:<20} {gib / put:>11.2f}  {gib / get:>11.2f}")
     print(f"{'file / dram':<20} {dram[0] / files[0]:>10.2f}x  {dram[1] / files[1]:>10.2f}x")
+    print()
+    print("sustained puts of 64 x 1 MiB into a 512 MiB file store   GB/s   of sync=0")
+    base = 0.0
+    for sync in ("0", "1s", "100ms"):
+        rate = sustained_puts(
+            f"embedded://?backend=file&path={{path}}&capacity=512MiB&file.sync={sync}"
+        )
+        base = base or rate
+        print(f"  file.sync={sync:<6} {rate:>45.2f}  {rate / base:>8.2f}x")
 
 
 if __name__ == "__main__":

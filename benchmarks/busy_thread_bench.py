@@ -47,6 +47,7 @@ from gil_bench import BusyProcess
 
 import kvfabric
 from kvfabric import PutOutcome, Store, chain_keys
+from kvfabric._tools.bench_kvfabric import scoped_environ
 from kvfabric._tools.busy import BusyThread
 from kvfabric._tools.cluster import Cluster
 from kvfabric.errors import PluginError
@@ -64,20 +65,6 @@ _SIDES = ("alone", "thread", "process")
 _FRESH_SAMPLES = 2
 
 Values = list[np.ndarray[Any, Any]]
-
-
-@contextlib.contextmanager
-def _env(extra: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @contextlib.contextmanager
@@ -174,7 +161,7 @@ def _keys(count: int) -> list[bytes]:
 @contextlib.contextmanager
 def _store(transport: str, env: dict[str, str], capacity: int) -> Iterator[Store]:
     with (
-        _env(env),
+        scoped_environ(env),
         Cluster(
             nodes=1,
             transports=(transport,),

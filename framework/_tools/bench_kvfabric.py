@@ -52,7 +52,14 @@ from kvfabric.errors import PluginError
 from kvfabric.keys import chain_keys
 from kvfabric.spi.plugins import plugin_manager
 
-__all__ = ["LOOKUP_KEYS", "TRANSPORTS", "KvfabricPlan", "rpc_rows", "transport_rows"]
+__all__ = [
+    "LOOKUP_KEYS",
+    "TRANSPORTS",
+    "KvfabricPlan",
+    "rpc_rows",
+    "scoped_environ",
+    "transport_rows",
+]
 
 # Per bench transport: the transport's name and the environment its node and client need.
 # ucx runs over shared memory (UCX_TLS=sm): the same-host case it is measured beside shm for.
@@ -91,7 +98,9 @@ def unavailable(name: str) -> str | None:
 
 
 @contextmanager
-def _env(extra: dict[str, str]) -> Iterator[None]:
+def scoped_environ(extra: dict[str, str]) -> Iterator[None]:
+    """``extra`` set in ``os.environ`` for the block (servers started in it inherit them),
+    the previous values restored after."""
     saved = {k: os.environ.get(k) for k in extra}
     os.environ.update(extra)
     try:
@@ -134,7 +143,7 @@ def transport_rows(name: str, plan: KvfabricPlan) -> list[BenchRow]:
 
     rows: list[BenchRow] = []
     with (
-        _env(env),
+        scoped_environ(env),
         _cluster(transport, plan.capacity, env) as cluster,
         kvfabric.connect(cluster.url(transport=transport, timeout="60s")) as store,
     ):

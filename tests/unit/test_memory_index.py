@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from manual_clock import Clock
 
 from kvfabric.indexes.memory import MemoryIndex
 from kvfabric.keys import fold_key
@@ -37,14 +38,6 @@ class TestMemoryIndex(IndexConformance):
         yield make
         for index in made:
             index.close()
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _key(n: int) -> bytes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import attrs
 import pytest
+from manual_clock import Clock
 
 from kvfabric.descriptor import Descriptor
 from kvfabric.indexes.memory import MemoryIndex
@@ -26,14 +27,6 @@ from kvfabric.spi.index import (
     alternate_key,
 )
 from kvfabric.spi.record import record_size
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _key(n: int) -> bytes:

@@ -90,7 +90,8 @@ class ImageReader(abc.ABC):
 
 
 class MappedImage(ImageReader):
-    """An image in this process's address space, probed in place."""
+    """An image in this process's address space, probed in place (under each bucket's
+    seqlock, without its CRC: see :func:`~kvfabric.spi.image.image_prefix`)."""
 
     def __init__(
         self,
@@ -138,14 +139,16 @@ class MappedImage(ImageReader):
 
     def prefix(self, keys: Sequence[bytes]) -> tuple[int, int, bytes, int]:
         try:
-            hits, stop, wires = image_prefix(self._view, keys, self._id, self._max_age)
+            hits, stop, wires = image_prefix(
+                self._view, keys, self._id, self._max_age, checksums=False
+            )
         except ValueError:  # the view was released: the store is closing
             return _UNUSABLE
         return hits, stop, wires, 0
 
     def exists(self, keys: Sequence[bytes]) -> tuple[bytes, int]:
         try:
-            return image_exists(self._view, keys, self._id, self._max_age)[1], 0
+            return image_exists(self._view, keys, self._id, self._max_age, checksums=False)[1], 0
         except ValueError:
             return bytes([ImageStop.UNKNOWN]) * len(keys), 0
 

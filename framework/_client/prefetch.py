@@ -18,11 +18,12 @@ handed over by another process, does not hold them: a read that needs them asks 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import repeat
+from itertools import islice, repeat
 
 from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
 
@@ -35,11 +36,17 @@ Alternates = Mapping[int, tuple[Descriptor, ...]]
 class _Batch:
     """One lookup's hits: ``keys[i]``'s descriptor is ``descriptors[i]`` or the i-th wire
     form in ``wires``, its other copies ``alternates[i]`` (absent: none known). Entries
-    before ``start`` were pushed out by newer ones."""
+    before ``start`` were pushed out by newer ones.
+
+    ``keys`` may be the caller's own list (a lookup from the image does not copy it): a
+    caller that changes it afterwards can make an entry find the wrong position, so a
+    descriptor from ``wires`` counts only if its own key is the key asked for, and only the
+    first ``count`` keys (as many as at the lookup) are ever indexed."""
 
     __slots__ = (
         "absorbed",
         "alternates",
+        "count",
         "descriptors",
         "expires",
         "keys",
@@ -58,6 +65,7 @@ class _Batch:
         alternates: Alternates | None = None,
     ) -> None:
         self.keys = keys
+        self.count = len(keys)
         self.expires = expires
         self.descriptors = descriptors
         self.wires = wires
@@ -67,11 +75,16 @@ class _Batch:
         self.positions: dict[bytes, int] | None = None
 
     def live(self) -> int:
-        return len(self.keys) - self.start
+        return self.count - self.start
 
     def find(self, key: bytes) -> int | None:
         if self.positions is None:
-            self.positions = dict(zip(self.keys, range(len(self.keys)), strict=True))
+            try:
+                # strict=False: the caller may have shortened its list since.
+                pairs = zip(islice(self.keys, self.count), range(self.count), strict=False)
+                self.positions = dict(pairs)
+            except TypeError:  # a key the caller replaced by something unhashable
+                self.positions = {}
         i = self.positions.get(key)
         return None if i is None or i < self.start else i
 
@@ -160,11 +173,12 @@ class PrefetchCache:
                     if i is None:
                         del index[key]
                     else:
-                        found = (
-                            batch.descriptors[i]
-                            if batch.descriptors
-                            else Descriptor.from_bytes(batch.wires, i * DESCRIPTOR_SIZE)
-                        )
+                        if batch.descriptors:
+                            found = batch.descriptors[i]
+                        else:
+                            found = Descriptor.from_bytes(batch.wires, i * DESCRIPTOR_SIZE)
+                            if found.key != key:  # the caller changed its list of keys
+                                found = None
                         if batch.alternates and i in batch.alternates:
                             others[len(out)] = batch.alternates[i]
                 out.append(found)
@@ -187,7 +201,7 @@ class PrefetchCache:
 
     def _add(self, batch: _Batch) -> None:
         with self._lock:
-            excess = len(batch.keys) - self.max_entries
+            excess = batch.count - self.max_entries
             if excess > 0:
                 batch.start = excess
             last = self._batches[-1] if self._batches else None
@@ -208,8 +222,9 @@ class PrefetchCache:
         index = self._index
         for batch in self._pending:
             if batch.live() > 0:
-                keys = batch.keys if batch.start == 0 else batch.keys[batch.start :]
-                index.update(zip(keys, repeat(batch)))
+                keys = islice(batch.keys, batch.start, batch.count)
+                with contextlib.suppress(TypeError):  # an unhashable key the caller put in
+                    index.update(zip(keys, repeat(batch)))
                 batch.absorbed = True
         self._pending.clear()
 
@@ -220,9 +235,10 @@ class PrefetchCache:
             gone = min(oldest.live(), self._entries - self.max_entries)
             if oldest.absorbed:
                 index = self._index
-                for key in oldest.keys[oldest.start : oldest.start + gone]:
-                    if index.get(key) is oldest:
-                        del index[key]
+                with contextlib.suppress(TypeError):  # an unhashable key the caller put in
+                    for key in islice(oldest.keys, oldest.start, oldest.start + gone):
+                        if index.get(key) is oldest:
+                            del index[key]
             oldest.start += gone
             self._entries -= gone
             if oldest.live() == 0:

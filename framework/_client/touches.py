@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from kvfabric.errors import KvfabricError
+from kvfabric.keys import KEY_SIZE
 from kvfabric.spi.counters import Counters
 
 __all__ = ["TouchReporter"]
@@ -70,7 +71,16 @@ class TouchReporter:
             batches, self._pending, self._pending_keys = self._pending, [], 0
         if not batches:
             return
-        keys = list(dict.fromkeys(key for batch in batches for key in batch))
+        # A lookup hands over the caller's own list (no copy): what a caller put in it
+        # afterwards is not sent unless it is a key.
+        keys = list(
+            dict.fromkeys(
+                key
+                for batch in batches
+                for key in batch
+                if type(key) is bytes and len(key) == KEY_SIZE
+            )
+        )
         try:
             self._touch(keys)
         except KvfabricError as exc:

@@ -8,10 +8,20 @@ def image_store(
 ) -> None: ...
 def image_beat(image: WriteableBuffer, alive: bool, /) -> None: ...
 def image_prefix(
-    image: ReadableBuffer, keys: Sequence[bytes], image_id: int, max_age: float, /
+    image: ReadableBuffer,
+    keys: Sequence[bytes],
+    image_id: int,
+    max_age: float,
+    checksums: bool = True,
+    /,
 ) -> tuple[int, int, bytes]: ...
 def image_exists(
-    image: ReadableBuffer, keys: Sequence[bytes], image_id: int, max_age: float, /
+    image: ReadableBuffer,
+    keys: Sequence[bytes],
+    image_id: int,
+    max_age: float,
+    checksums: bool = True,
+    /,
 ) -> tuple[bool, bytes]: ...
 def image_apply(
     mirror: WriteableBuffer,

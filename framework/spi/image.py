@@ -249,23 +249,38 @@ def image_beat(image: WriteableBuffer, alive: bool = True) -> None:
 
 
 def image_prefix(
-    image: ReadableBuffer, keys: Sequence[bytes], image_id: int, max_age: float = 0.0
+    image: ReadableBuffer,
+    keys: Sequence[bytes],
+    image_id: int,
+    max_age: float = 0.0,
+    *,
+    checksums: bool = True,
 ) -> tuple[int, int, bytes]:
     """Walk ``keys`` in order until one is not a hit: ``(hits, stop, wires)``.
 
     ``stop`` is an :class:`ImageStop`; ``wires`` holds the ``hits`` descriptors' wire forms.
     ``image``: the image (its owner's memory, mapped) or a client's mirror of it, from the
     header on. ``max_age``: seconds the heartbeat may lag this host's clock (0: not checked).
-    A key that is not 32 ``bytes`` raises ``TypeError``.
+    ``checksums``: check each bucket's CRC. A mirror needs it (its buckets were copied in
+    bulk, and a copy may be torn); the owner's memory, read in place, does not: every
+    bucket there is read between two reads of its sequence number, which the owner makes
+    odd before it changes a byte and even after, so a torn read is seen without the CRC
+    (about a third of a hit's cost). A key that is not 32 ``bytes`` raises ``TypeError``.
     """
-    return _image.image_prefix(image, keys, image_id, max_age)
+    return _image.image_prefix(image, keys, image_id, max_age, checksums)
 
 
 def image_exists(
-    image: ReadableBuffer, keys: Sequence[bytes], image_id: int, max_age: float = 0.0
+    image: ReadableBuffer,
+    keys: Sequence[bytes],
+    image_id: int,
+    max_age: float = 0.0,
+    *,
+    checksums: bool = True,
 ) -> tuple[bool, bytes]:
-    """Every key's state, one :class:`ImageStop` byte each; ``(usable, states)``."""
-    return _image.image_exists(image, keys, image_id, max_age)
+    """Every key's state, one :class:`ImageStop` byte each; ``(usable, states)``
+    (``checksums`` as for :func:`image_prefix`)."""
+    return _image.image_exists(image, keys, image_id, max_age, checksums)
 
 
 def image_apply(

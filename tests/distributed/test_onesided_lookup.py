@@ -132,7 +132,9 @@ def test_a_torn_bucket_costs_exactly_one_control_rpc_and_is_never_trusted(
             values = [_value(k) for k in keys]
             store.batched_put(keys, values)
             at = image.bucket_of(keys[9])
-            image.mapping[at + 24] ^= 0x08  # the record's offset: a wrong descriptor
+            # Caught mid-rewrite (odd sequence number), as a probe in place can see it.
+            seq = int.from_bytes(image.mapping[at : at + 4], "little")
+            image.mapping[at : at + 4] = (seq + 1).to_bytes(4, "little")
             before, controller_before = store.stats(), cluster.stats()["controller"]
             assert store.batched_contains(keys) == 16
             after, controller_after = store.stats(), cluster.stats()["controller"]
@@ -145,7 +147,7 @@ def test_a_torn_bucket_costs_exactly_one_control_rpc_and_is_never_trusted(
             assert lookups == 1
             assert [bytes(v) if v is not None else None for v in store.batched_get(keys)] == values
             assert store.stats()["validation_failures"] == after["validation_failures"]
-            image.mapping[at + 24] ^= 0x08
+            image.mapping[at : at + 4] = seq.to_bytes(4, "little")  # the rewrite done
             assert store.batched_contains(keys) == 16
             assert store.stats()["control_rpcs"] - before["control_rpcs"] == 1
     finally:

@@ -153,6 +153,7 @@ def test_an_image_size_of_zero_keeps_no_image() -> None:
 
 @pytest.mark.parametrize("damage", ["flipped field", "odd sequence", "stale check"])
 def test_a_torn_bucket_is_never_a_hit_nor_a_miss(damage: str) -> None:
+    """As a mirror is probed (each bucket's CRC checked)."""
     index = _index()
     keys = _keys(8)
     _publish(index, keys)
@@ -170,6 +171,28 @@ def test_a_torn_bucket_is_never_a_hit_nor_a_miss(damage: str) -> None:
     assert image_exists(view, keys[3:4], geometry.image_id)[1] == bytes([UNKNOWN])
     # A torn bucket in another key's window hides nothing: that key is still a hit.
     assert image_exists(view, keys[4:5], geometry.image_id)[1] == bytes([HIT])
+
+
+def test_the_owners_memory_probed_in_place_trusts_the_seqlock_not_the_crc() -> None:
+    """Probed in place (``checksums=False``, as a mapped image is), a bucket mid-rewrite
+    (odd sequence number, or one that changed under the read) is never a hit nor a miss;
+    a whole one is a hit without its CRC being computed."""
+    index = _index()
+    keys = _keys(8)
+    _publish(index, keys)
+    region, geometry = _image(index)
+    view = region.view
+    whole = image_prefix(view, keys, geometry.image_id, checksums=False)
+    assert whole == image_prefix(view, keys, geometry.image_id)
+    assert whole[:2] == (8, HIT)
+    at = _bucket_of(region, geometry, keys[3])
+    view[at + 60] ^= 0xFF  # the CRC: not read in place
+    assert image_prefix(view, keys, geometry.image_id, checksums=False)[:2] == (8, HIT)
+    seq = struct.unpack_from("<I", view, at)[0]
+    struct.pack_into("<I", view, at, seq + 1)  # the owner is rewriting it
+    assert image_prefix(view, keys, geometry.image_id, checksums=False)[:2] == (3, UNKNOWN)
+    states = image_exists(view, keys[3:5], geometry.image_id, checksums=False)[1]
+    assert states == bytes([UNKNOWN, HIT])
 
 
 def _ring(region: Region, geometry: ImageGeometry, first: int, count: int) -> bytearray:
@@ -278,6 +301,18 @@ def test_keys_that_are_not_32_bytes_are_refused_by_the_probe() -> None:
     region, geometry = _image(index)
     with pytest.raises(TypeError, match="key 1"):
         image_prefix(region.view, [os.urandom(32), b"short"], geometry.image_id)
+    # Checked as the walk reaches them, and after a walk that stopped early: a bad key
+    # behind a miss, or in an image that cannot answer, raises all the same.
+    keys = _keys(3)
+    _publish(index, keys[:1])
+    region, geometry = _image(index)
+    for checksums in (True, False):
+        with pytest.raises(TypeError, match="key 2"):
+            image_prefix(region.view, [*keys[:2], b"short"], geometry.image_id, checksums=checksums)
+        with pytest.raises(TypeError, match="key 2"):
+            image_exists(region.view, [*keys[:2], 7], geometry.image_id, checksums=checksums)  # type: ignore[list-item]
+        with pytest.raises(TypeError, match="key 1"):
+            image_prefix(region.view, [keys[0], b"short"], geometry.image_id + 1)
 
 
 # -- the store, embedded ------------------------------------------------------------------------
@@ -308,13 +343,21 @@ def test_an_embedded_lookup_reads_the_image_and_costs_no_index_call(n: int) -> N
     assert after["image_fallbacks"] == after["image_round_trips"] == 0
 
 
+def _tear(view: memoryview, at: int) -> int:
+    """Make the bucket at ``at`` read as mid-rewrite (odd sequence number), as a store
+    probing its index's image in place sees it; returns its sequence number before."""
+    seq: int = struct.unpack_from("<I", view, at)[0]
+    struct.pack_into("<I", view, at, seq + 1)
+    return seq
+
+
 def test_a_torn_bucket_makes_the_store_ask_the_index_once_for_the_rest() -> None:
     with kvfabric.connect("embedded://?capacity=64MiB") as store:
         keys = _chain(16)
         store.batched_put(keys, [_value(k) for k in keys])
         region, geometry = _image(store.local_index)
         at = _bucket_of(region, geometry, keys[5])
-        region.view[at + 40] ^= 0x10  # the rkey
+        seq = _tear(region.view, at)
         index_before = store.local_index.stats()
         before = store.stats()
         assert store.batched_contains(keys) == 16
@@ -328,7 +371,7 @@ def test_a_torn_bucket_makes_the_store_ask_the_index_once_for_the_rest() -> None
         assert [bytes(v) for v in store.batched_get(keys) if v is not None] == [
             _value(k) for k in keys
         ]
-        region.view[at + 40] ^= 0x10
+        struct.pack_into("<I", region.view, at, seq)  # the rewrite done
         assert store.batched_contains(keys) == 16
         assert store.stats()["control_rpcs"] == after["control_rpcs"]
 
@@ -342,11 +385,42 @@ def test_exists_asks_the_index_only_for_keys_the_image_cannot_answer() -> None:
         assert store.stats()["control_rpcs"] == before["control_rpcs"]
         region, geometry = _image(store.local_index)
         at = _bucket_of(region, geometry, keys[2])
-        region.view[at + 59] ^= 0x01
+        _tear(region.view, at)
         index_before = store.local_index.stats()["exists_calls"]
         assert store.batched_exists(keys) == [True, False] * 4
         assert store.stats()["control_rpcs"] - before["control_rpcs"] == 1
         assert store.local_index.stats()["exists_calls"] - index_before == 1
+
+
+@pytest.mark.parametrize("change", ["other keys", "reversed", "not keys", "shortened"])
+def test_a_lookups_list_changed_by_the_caller_afterwards_never_reads_another_value(
+    change: str,
+) -> None:
+    """A lookup from the image keeps the caller's list, not a copy: changing it before the
+    read may cost the read its cached descriptors, never the right value."""
+    with kvfabric.connect("embedded://?capacity=64MiB") as store:
+        keys, others = _chain(8), _chain(8)
+        store.batched_put(keys + others, [_value(k) for k in keys + others])
+        asked = list(keys)
+        assert store.batched_contains(asked) == 8
+        if change == "other keys":
+            asked[:] = others
+        elif change == "reversed":
+            asked.reverse()
+        elif change == "not keys":
+            asked[:] = [[0], None, 3, {}, b"short", "text", 1.5, ()]
+        else:
+            del asked[2:]
+        for wanted in (keys, others, keys[::-1]):
+            got = store.batched_get(wanted)
+            assert [bytes(v) for v in got if v is not None] == [_value(k) for k in wanted]
+        # The use report (sent from a thread each second, or here at once if it has not
+        # gone yet) sends what is a key and nothing else.
+        store._touches.flush()
+        after = store.stats()
+        assert after["touch_rpcs"] == 1
+        assert after["touch_failures"] == 0
+        assert after["validation_failures"] == 0
 
 
 def test_an_index_without_an_image_is_asked_as_before() -> None:

@@ -125,7 +125,7 @@ static uint32_t copy_bucket(const uint8_t *b, uint8_t *copy) {
     return before == after ? before : 1; /* odd: torn */
 }
 
-static int bucket_state(const uint8_t *copy, uint32_t seq) {
+static int bucket_state(const uint8_t *copy, uint32_t seq, int checksums) {
     if (seq == 0) {
         /* Never written (a fresh page of the image): valid only if wholly zero. */
         for (int i = 0; i < BUCKET; i++)
@@ -133,27 +133,47 @@ static int bucket_state(const uint8_t *copy, uint32_t seq) {
                 return TORN;
         return EMPTY;
     }
-    if ((seq & 1) || get32(copy) != seq || kvf_crc32c(0, copy, CHECKED) != get32(copy + CHECKED))
+    if ((seq & 1) || get32(copy) != seq ||
+        (checksums && kvf_crc32c(0, copy, CHECKED) != get32(copy + CHECKED)))
         return TORN;
     return (get16(copy + 6) & OCCUPIED) ? FULL : EMPTY;
+}
+
+/* A hit read straight out of the owner's memory under its seqlock (no copy, no checksum):
+   the fields are copied out between the two reads of the sequence number, and count only
+   if that number is even, nonzero and unchanged. 0 when the bucket was not a whole hit. */
+static int seqlocked_hit(const uint8_t *b, uint64_t tag, uint8_t *fields) {
+    uint32_t before = __atomic_load_n((const uint32_t *)b, __ATOMIC_ACQUIRE);
+    uint16_t flags = get16(b + 6);
+    uint64_t seen = get64(b + TAG_AT);
+    memcpy(fields, b + FIELDS_AT, FIELDS);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    uint32_t after = __atomic_load_n((const uint32_t *)b, __ATOMIC_RELAXED);
+    return before == after && before != 0 && !(before & 1) && (flags & OCCUPIED) && seen == tag;
 }
 
 /* One key against its window: HIT (fields copied out), MISS or UNKNOWN. A hit needs only
    its own bucket to be whole; a miss needs every bucket of the window whole, none holding
    the key, and no key of this home that overflowed. */
-static int probe(const uint8_t *window, uint32_t w, const uint8_t *key, uint8_t *fields) {
+static int probe(const uint8_t *window, uint32_t w, const uint8_t *key, uint8_t *fields,
+                 int checksums) {
     uint64_t tag = get64(key + TAG_AT);
     int whole = 1;
     uint8_t copy[BUCKET];
     /* Hits are the common case and need only their own bucket whole: find the tag with a
-       plain look (it may be mid-rewrite), then copy that bucket under its seqlock and check
+       plain look (it may be mid-rewrite), then read that bucket under its seqlock and check
        it. Anything else takes the full walk below. */
     for (uint32_t i = 0; i < w; i++) {
         const uint8_t *b = window + (size_t)i * BUCKET;
         if (get64(b + TAG_AT) != tag)
             continue;
+        if (!checksums) {
+            if (seqlocked_hit(b, tag, fields))
+                return HIT;
+            break;
+        }
         uint32_t seq = copy_bucket(b, copy);
-        if (bucket_state(copy, seq) == FULL && get64(copy + TAG_AT) == tag) {
+        if (bucket_state(copy, seq, 1) == FULL && get64(copy + TAG_AT) == tag) {
             memcpy(fields, copy + FIELDS_AT, FIELDS);
             return HIT;
         }
@@ -161,7 +181,7 @@ static int probe(const uint8_t *window, uint32_t w, const uint8_t *key, uint8_t 
     }
     for (uint32_t i = 0; i < w; i++) {
         uint32_t seq = copy_bucket(window + (size_t)i * BUCKET, copy);
-        int state = bucket_state(copy, seq);
+        int state = bucket_state(copy, seq, checksums);
         if (state == TORN) {
             whole = 0;
             continue;
@@ -184,6 +204,7 @@ typedef struct {
     PyObject *keys; /* PySequence_Fast */
     Py_ssize_t n;
     Geometry g;
+    int checksums; /* check each bucket's CRC (a mirror); else the seqlock alone (the owner's memory) */
 } Probe;
 
 static void probe_release(Probe *p) {
@@ -203,32 +224,34 @@ static int check_keys(PyObject *fast, const char *func) {
     return 0;
 }
 
-/* Parse (image, keys, image_id, max_age). Returns 0, 1 when the image is not usable
+/* Parse (image, keys, image_id, max_age[, checksums]). Returns 0, 1 when the image is not usable
    (another image, a bad header, a stale heartbeat: every key is unknown), -1 on error. */
 static int probe_args(PyObject *args, Probe *p, const char *func) {
     PyObject *keys;
     unsigned long long id;
     double max_age;
+    int checksums = 1;
     memset(p, 0, sizeof *p);
-    if (!PyArg_ParseTuple(args, "y*OKd", &p->image, &keys, &id, &max_age))
+    if (!PyArg_ParseTuple(args, "y*OKd|p", &p->image, &keys, &id, &max_age, &checksums))
         return -1;
+    p->checksums = checksums;
     p->has_image = 1;
     p->keys = PySequence_Fast(keys, "keys must be a sequence of 32-byte keys");
     if (!p->keys)
         return -1;
-    if (check_keys(p->keys, func) < 0)
-        return -1;
     p->n = PySequence_Fast_GET_SIZE(p->keys);
+    /* The probes check each key as they reach it (one pass over the keys, not two); an
+       image that cannot answer checks them all here, so a bad key raises either way. */
     const uint8_t *base = p->image.buf;
     if (p->image.len < HEADER || parse_header(base, &p->g) < 0 || p->g.id != id ||
         p->image.len < p->g.size)
-        return 1;
+        return check_keys(p->keys, func) < 0 ? -1 : 1;
     if (max_age > 0) {
         uint64_t beat = __atomic_load_n((const uint64_t *)(base + 24), __ATOMIC_ACQUIRE);
         uint64_t now = now_ns();
         /* 0: the owner closed the image. Older than max_age: the owner stopped. */
         if (beat == 0 || (now > beat && (double)(now - beat) > max_age * 1e9))
-            return 1;
+            return check_keys(p->keys, func) < 0 ? -1 : 1;
     }
     return 0;
 }
@@ -238,15 +261,29 @@ static const uint8_t *window_of(const Probe *p, const uint8_t *key) {
     return (const uint8_t *)p->image.buf + HEADER + home * BUCKET;
 }
 
+/* Key i's bytes, or NULL when it is not 32 bytes. */
 static const uint8_t *key_at(const Probe *p, Py_ssize_t i) {
-    return (const uint8_t *)PyBytes_AS_STRING(PySequence_Fast_GET_ITEM(p->keys, i));
+    PyObject *item = PySequence_Fast_GET_ITEM(p->keys, i);
+    if (!PyBytes_CheckExact(item) || PyBytes_GET_SIZE(item) != KEY)
+        return NULL;
+    return (const uint8_t *)PyBytes_AS_STRING(item);
+}
+
+static const uint8_t *key_or_raise(const Probe *p, Py_ssize_t i, const char *func) {
+    const uint8_t *key = key_at(p, i);
+    if (!key)
+        PyErr_Format(PyExc_TypeError, "%s: key %zd is not %d bytes", func, i, KEY);
+    return key;
 }
 
 static void prefetch_window(const Probe *p, Py_ssize_t i) {
     if (i >= p->n)
         return;
+    const uint8_t *key = key_at(p, i);
+    if (!key)
+        return; /* the probe raises when it gets there */
     /* A key mostly sits in the first bucket or two of its window. */
-    const uint8_t *w = window_of(p, key_at(p, i));
+    const uint8_t *w = window_of(p, key);
     __builtin_prefetch(w);
     __builtin_prefetch(w + BUCKET);
 }
@@ -276,15 +313,26 @@ static PyObject *kvf_image_prefix(PyObject *self, PyObject *args) {
         prefetch_window(&p, i);
     for (Py_ssize_t i = 0; i < p.n; i++) {
         prefetch_window(&p, i + PREFETCH_AHEAD);
-        const uint8_t *key = key_at(&p, i);
+        const uint8_t *key = key_or_raise(&p, i, "image_prefix");
+        if (!key) {
+            probe_release(&p);
+            Py_DECREF(wires);
+            return NULL;
+        }
         uint8_t *wire = out + hits * WIRE;
-        int state = probe(window_of(&p, key), p.g.window, key, wire + KEY);
+        int state = probe(window_of(&p, key), p.g.window, key, wire + KEY, p.checksums);
         if (state != HIT) {
             stop = state;
             break;
         }
         memcpy(wire, key, KEY);
         hits++;
+    }
+    /* A walk that stopped early has not seen every key: a bad one still raises. */
+    if (hits != p.n && check_keys(p.keys, "image_prefix") < 0) {
+        probe_release(&p);
+        Py_DECREF(wires);
+        return NULL;
     }
     probe_release(&p);
     if (hits != p.n && _PyBytes_Resize(&wires, hits * WIRE) < 0)
@@ -313,8 +361,13 @@ static PyObject *kvf_image_exists(PyObject *self, PyObject *args) {
             prefetch_window(&p, i);
         for (Py_ssize_t i = 0; i < p.n; i++) {
             prefetch_window(&p, i + PREFETCH_AHEAD);
-            const uint8_t *key = key_at(&p, i);
-            out[i] = (uint8_t)probe(window_of(&p, key), p.g.window, key, fields);
+            const uint8_t *key = key_or_raise(&p, i, "image_exists");
+            if (!key) {
+                probe_release(&p);
+                Py_DECREF(states);
+                return NULL;
+            }
+            out[i] = (uint8_t)probe(window_of(&p, key), p.g.window, key, fields, p.checksums);
         }
     }
     probe_release(&p);

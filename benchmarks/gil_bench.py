@@ -44,30 +44,12 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from kvfabric._tools.busy import BusyThread
+from kvfabric._tools.busy import BusyProcess, BusyThread
 from kvfabric.spi import native, parse_size
 
 _REQUEST = struct.Struct("<QQ")  # count, size; (0, 0) ends the sender
 # One way of handling a batch; returns how many times it took the GIL back.
 Row = Callable[[], int]
-
-
-class BusyProcess:
-    """The same counting loop in a process of its own: the CPU it takes, without the GIL."""
-
-    def __enter__(self) -> BusyProcess:
-        self._child = subprocess.Popen(
-            [sys.executable, "-c", "print(flush=True)\nn = 0\nwhile True:\n    n += 1"],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self._child.stdout is not None
-        self._child.stdout.readline()  # it is running
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._child.kill()
-        self._child.wait()
 
 
 def _loop(fn: Row, seconds: float) -> tuple[int, float, int]:

@@ -11,6 +11,7 @@ Per transport, in this order (a fresh node first, so its first puts meet untouch
   untimed; the bytes compared once), re-put (the same keys again: nothing to write);
 - reads (``batched_contains`` + ``batched_get``) of the largest batch in a loop alone, then
   beside a busy pure-Python thread in this process, and the share of its rate the thread kept;
+  then beside the same loop in a process of its own (CPU contention without the GIL);
 - lookups: ``batched_contains`` of 16, 64, 1,024 and ``count`` stored keys, each labelled with
   the path the client's counters say it took (one-sided through the index's lookup image, or
   the control RPC), and the controller's CPU time per lookup of ``count`` keys, read from
@@ -43,8 +44,10 @@ from kvfabric._tools.bench_measure import (
     RE_PUT,
     READS_ALONE,
     READS_BUSY,
+    READS_BUSY_PROCESS,
     BenchRow,
     beside_busy,
+    beside_busy_process,
     median_seconds,
 )
 from kvfabric._tools.cluster import Cluster
@@ -205,6 +208,8 @@ def transport_rows(name: str, plan: KvfabricPlan) -> list[BenchRow]:
                 alone, beside, kept = beside_busy(reads, plan.busy_seconds)
                 rows.append(row(READS_ALONE, size, alone))
                 rows.append(row(READS_BUSY, size, beside, kept))
+                process = beside_busy_process(reads, plan.busy_seconds)
+                rows.append(row(READS_BUSY_PROCESS, size, process))
         rows += _lookup_rows(system, store, _controller_pid(cluster), plan)
         if store.stats()["validation_failures"]:
             raise RuntimeError(f"{system}: validation failures during the benchmark")

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from kvfabric._tools.busy import BusyThread
+from kvfabric._tools.busy import BusyProcess, BusyThread
 
 __all__ = [
     "CONTAINS",
@@ -26,11 +26,13 @@ __all__ = [
     "PUT_WARM",
     "READS_ALONE",
     "READS_BUSY",
+    "READS_BUSY_PROCESS",
     "RE_PUT",
     "RTT",
     "STREAM",
     "BenchRow",
     "beside_busy",
+    "beside_busy_process",
     "median_seconds",
 ]
 
@@ -44,6 +46,8 @@ GET = "get"
 CONTAINS = "contains"  # count = keys per call
 READS_ALONE = "reads alone"  # contains + get of one batch, in a loop
 READS_BUSY = "reads beside busy"  # the same beside a busy pure-Python thread
+# The same beside that loop in a process of its own: CPU contention without the GIL.
+READS_BUSY_PROCESS = "reads beside busy process"
 CONTROLLER_CPU = "controller cpu"  # seconds of controller CPU per lookup of count keys
 
 
@@ -130,3 +134,9 @@ def beside_busy(fn: Callable[[], object], seconds: float) -> tuple[float, float,
         beside = _loop(fn, seconds)
         kept = (busy.count - start) / (time.perf_counter() - t0) / idle
     return alone, beside, kept
+
+
+def beside_busy_process(fn: Callable[[], object], seconds: float) -> float:
+    """Seconds per call of ``fn`` in a loop beside a busy process (:class:`BusyProcess`)."""
+    with BusyProcess():
+        return _loop(fn, seconds)

@@ -21,6 +21,7 @@ from kvfabric._tools.bench_measure import (
     RE_PUT,
     READS_ALONE,
     READS_BUSY,
+    READS_BUSY_PROCESS,
     RTT,
     STREAM,
     BenchRow,
@@ -150,16 +151,32 @@ def _busy_table(found: _Rows, w: Write) -> None:
     if not systems:
         return
     w("\nreads (contains + get) in a loop, alone and beside a busy pure-Python thread\n")
-    w(f"{'system':<14}{'alone GB/s':>11}{'beside':>9}{'ratio':>8}{'busy kept':>10}\n")
+    w(
+        f"{'system':<14}{'alone GB/s':>11}{'beside':>9}{'ratio':>8}{'busy kept':>10}"
+        f"{'proc GB/s':>10}{'ratio':>8}{'thread/proc':>12}\n"
+    )
     for system in systems:
         alone, busy = found.find(system, READS_ALONE), found.find(system, READS_BUSY)
         if alone is None or busy is None:
             continue
         kept = f"{busy.kept:>10.2f}" if busy.kept is not None else f"{'-':>10}"
+        process = found.find(system, READS_BUSY_PROCESS)
+        if process is None:
+            beside_process = f"{'-':>10}{'-':>8}{'-':>12}"
+        else:
+            beside_process = (
+                f"{process.gbps:>10.2f}{alone.seconds / process.seconds:>8.2f}"
+                f"{process.seconds / busy.seconds:>12.2f}"
+            )
         w(
             f"{system:<14}{alone.gbps:>11.2f}{busy.gbps:>9.2f}"
-            f"{alone.seconds / busy.seconds:>8.2f}{kept}\n"
+            f"{alone.seconds / busy.seconds:>8.2f}{kept}{beside_process}\n"
         )
+    w(
+        "  (proc: beside the same loop in a process of its own, which takes a core but not the\n"
+        "   GIL; thread/proc is the GIL's own share. Where the reads need more cores than stay\n"
+        "   idle beside the loop, as tcp's client and node do on 2 cores, both ratios fall.)\n"
+    )
 
 
 def _targets(found: _Rows, sizes: Sequence[int], count: int, w: Write) -> None:

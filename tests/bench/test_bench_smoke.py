@@ -20,6 +20,7 @@ from kvfabric._tools.bench_measure import (
     RE_PUT,
     READS_ALONE,
     READS_BUSY,
+    READS_BUSY_PROCESS,
     RTT,
     STREAM,
 )
@@ -41,7 +42,16 @@ def test_bench_measures_floors_kvfabric_redis_and_says_where_the_peers_stand() -
     text = out.getvalue()
     print(text)
     measured = {(r.system, r.phase) for r in rows}
-    data = {PUT_FRESH, PUT_WARM, GET, RE_PUT, READS_ALONE, READS_BUSY, CONTROLLER_CPU}
+    data = {
+        PUT_FRESH,
+        PUT_WARM,
+        GET,
+        RE_PUT,
+        READS_ALONE,
+        READS_BUSY,
+        READS_BUSY_PROCESS,
+        CONTROLLER_CPU,
+    }
     for system in ("kvfabric tcp", "kvfabric shm"):
         assert {(system, phase) for phase in data} <= measured
         assert {r.count for r in rows if (r.system, r.phase) == (system, CONTAINS)} == {
@@ -65,6 +75,7 @@ def test_bench_measures_floors_kvfabric_redis_and_says_where_the_peers_stand() -
             ), row
     assert "targets (issue 12):" in text
     assert "reads beside busy / alone, tcp" in text
+    assert "thread/proc" in text
     if os.environ.get("KVFABRIC_PEERS_PYTHON"):
         for peer in _PEERS:
             assert {(peer, p) for p in (PUT_FRESH, CONTAINS, GET, READS_BUSY)} <= measured

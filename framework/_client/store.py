@@ -187,7 +187,9 @@ class Store:
         """How many leading ``keys`` are stored; their descriptors are kept for the read.
 
         Answered from the lookup image when this client reads one (``onesided_lookups``);
-        from the index, in one call, for the keys the image cannot answer for.
+        from the index, in one call, for the keys the image cannot answer for. The list of
+        keys is kept for the read, not copied: changing it afterwards can only cost that
+        read its kept descriptors (each is checked against the key read).
         """
         image = self._image_reader()
         if image is not None and keys:

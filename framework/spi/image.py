@@ -53,7 +53,8 @@ A probe of one key reads its window and answers *hit* (a whole bucket holding th
 *miss* (every bucket whole, none holding the key, overflow 0) or *unknown* (anything else).
 The owner rewrites a bucket as a seqlock (odd number, the bytes, the next even number,
 ordered by release fences), logs the new bytes in the ring, and then advances the head. A
-probe compares a bucket's number before and after its copy and checks the bucket's CRC. Keys
+probe compares a bucket's number before and after its copy and, in a mirror, checks the
+bucket's CRC (``checksums``; the owner's memory read in place needs only the numbers). Keys
 never move between buckets while they are published, so a probe that sees a window over some
 microseconds sees each key that stayed published meanwhile.
 

@@ -16,8 +16,10 @@
  * number, the bytes, then the next even number, and then logs the new bytes in the ring. A
  * probe takes the number before and after its copy of a bucket (of the image itself, on its
  * host, or of a client's mirror), and a bucket counts only if its number is even and
- * unchanged and its check holds: a torn or half-written bucket is "unknown", never a hit
- * and never a miss. A mirror takes only ring entries whose number and CRC hold.
+ * unchanged and, in a mirror (checksums on), its check holds: a torn or half-written bucket
+ * is "unknown", never a hit and never a miss. The owner's memory read in place needs no
+ * check (the seqlock shows every torn read there); a mirror's bulk-copied buckets do. A
+ * mirror takes only ring entries whose number and CRC hold.
  *
  * Probes and applies keep the GIL: a window is 512 bytes, so even 1,024 keys are ~50 us
  * of work, less than the switch interval a return of the GIL would wait out beside a busy

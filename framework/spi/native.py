@@ -132,9 +132,13 @@ def copy_many(
     may write too vouches only for what this caller meant to store. Where the bytes take
     two passes (the portable table; a pair whose source and destination overlap), the
     default reads the CRC back from the destination (a read) and ``crc_of_source`` takes it
-    from the source just before the copy (a write). The stores of a call are ordered before
-    those of any later call, so a writer that copies payloads first and their headers in a
-    second call lands them in that order.
+    from the source just before the copy (a write). A pair of 1 MiB or more is stored
+    non-temporally (no read of each destination line first, no cache filled with it) where
+    its destination is placed so that this cannot stall the loads (see ``streams_well`` in
+    ``csrc/crc32c.c``): ~1.1x memcpy with its CRC, against ~0.85x with plain stores. The
+    stores of a call are ordered before those of any later call (a store fence ends a
+    non-temporal copy), so a writer that copies payloads first and their headers in a second
+    call lands them in that order.
     """
     return _native.copy_many(pairs, crc_spans, crc_of_source)
 

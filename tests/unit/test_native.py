@@ -219,6 +219,27 @@ def test_copy_many_checksums_every_byte_at_every_alignment(size: int, crc_of_sou
             assert not any(backing[dest_at + size :])
 
 
+@pytest.mark.parametrize("crc_of_source", [False, True])
+def test_copy_many_of_a_megabyte_or_more_lands_every_byte_whatever_the_stores(
+    crc_of_source: bool,
+) -> None:
+    """Copies of 1 MiB and more store non-temporally where the destination sits level with
+    the source or behind it modulo 4 KiB, and plainly elsewhere: every placement lands
+    exactly the bytes it checksums, and nothing around them."""
+    size = (1 << 20) + 8192 * 3 + 13
+    source_backing = np.random.default_rng(7).integers(0, 256, size + 8192, dtype=np.uint8)
+    for src_at in (0, 8, 64, 4032):
+        for dest_at in (0, 8, 48, 64, 2048, 4088):
+            source = source_backing[src_at : src_at + size]
+            backing = np.zeros(size + 8192, dtype=np.uint8)
+            dest = backing[dest_at : dest_at + size]
+            [crc] = native.copy_many([(dest, source)], [(0, 1)], crc_of_source=crc_of_source)
+            assert crc == _crc(source)
+            assert np.array_equal(dest, source)
+            assert not backing[:dest_at].any()
+            assert not backing[dest_at + size :].any()
+
+
 def test_copy_many_can_checksum_the_sources_and_copies_the_same_bytes() -> None:
     pairs, sources = _random_pairs(30, seed=3)
     spans = [(0, 4), (4, 4), (6, 20), (25, 30)]

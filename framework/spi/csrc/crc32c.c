@@ -59,11 +59,17 @@ uint32_t kvf_crc32c_table(uint32_t crc, const void *buf, size_t len) {
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define KVF_HAVE_X86 1
+#include <emmintrin.h>
 #include <nmmintrin.h>
 
 /* Block sizes of the three-way split: LONG for the bulk, SHORT for what is left. */
 #define LONG 8192
 #define SHORT 256
+/* Copies of at least this many bytes store with non-temporal stores (movnti), when
+   streams_well() says so: no read-for-ownership of each destination line and no cache
+   filled with bytes the caller reads later, if at all. 4 MiB: 12-13 GB/s against memcpy's
+   11 here (scalar stores: 9.5). */
+#define STREAM_MIN (1u << 20)
 
 static uint32_t shift_long[4][256];
 static uint32_t shift_short[4][256];
@@ -179,6 +185,19 @@ __attribute__((target("sse4.2"))) static uint32_t crc32c_hw(uint32_t crc, const 
     return (uint32_t)crc0 ^ 0xffffffffu;
 }
 
+/* Whether non-temporal stores to `out` are safe for speed while loading from `next`. A load
+   whose address matches a recent store's modulo 4 KiB waits for that store ("4K
+   aliasing"); a non-temporal store lingers in a write-combining buffer until its line is
+   whole, so when the destination runs a little ahead of the source modulo 4 KiB (measured
+   bad: 8 to 136 bytes ahead) every load waits on a half-filled line and the copy runs at
+   0.3-1 GB/s. Streaming only when the destination is 8-byte aligned and level with the
+   source or behind it by at most 2 KiB (a get into a caller's buffer: the record's payload
+   sits 64 bytes past a 4 KiB-aligned slot) keeps well clear of that; else plain stores. */
+static int streams_well(const unsigned char *out, const unsigned char *next) {
+    uintptr_t ahead = ((uintptr_t)out - (uintptr_t)next) & 4095;
+    return ((uintptr_t)out & 7) == 0 && (ahead == 0 || ahead >= 2048);
+}
+
 /* crc32c_hw's loop, storing each word it loads: the copy and the CRC in one pass over the
    bytes, at the CRC instruction's throughput (far above memory bandwidth), so a copy that
    checksums costs about what the copy costs. The CRC is of the very bytes stored. */
@@ -193,6 +212,7 @@ __attribute__((target("sse4.2"))) static uint32_t copy_crc32c_hw(void *dest, con
         *out++ = *next++;
         len--;
     }
+    int stream_out = len >= STREAM_MIN && streams_well(out, next);
     while (len >= 3 * LONG) {
         uint64_t crc1 = 0, crc2 = 0;
         const unsigned char *end = next + LONG;
@@ -201,9 +221,15 @@ __attribute__((target("sse4.2"))) static uint32_t copy_crc32c_hw(void *dest, con
             crc0 = _mm_crc32_u64(crc0, a);
             crc1 = _mm_crc32_u64(crc1, b);
             crc2 = _mm_crc32_u64(crc2, c);
-            memcpy(out, &a, 8);
-            memcpy(out + LONG, &b, 8);
-            memcpy(out + 2 * LONG, &c, 8);
+            if (stream_out) {
+                _mm_stream_si64((long long *)out, (long long)a);
+                _mm_stream_si64((long long *)(out + LONG), (long long)b);
+                _mm_stream_si64((long long *)(out + 2 * LONG), (long long)c);
+            } else {
+                memcpy(out, &a, 8);
+                memcpy(out + LONG, &b, 8);
+                memcpy(out + 2 * LONG, &c, 8);
+            }
             next += 8;
             out += 8;
         } while (next < end);
@@ -225,6 +251,8 @@ __attribute__((target("sse4.2"))) static uint32_t copy_crc32c_hw(void *dest, con
         crc0 = _mm_crc32_u8((uint32_t)crc0, *next);
         *out++ = *next++;
     }
+    if (stream_out)
+        _mm_sfence();
     return (uint32_t)crc0 ^ 0xffffffffu;
 }
 #endif

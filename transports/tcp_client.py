@@ -33,7 +33,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvfabric.errors import ProtocolError, TransportError
 from kvfabric.spi import (
@@ -117,23 +117,31 @@ class _Connection:
             raise
         return cls(stream)
 
-    def exchange(
-        self,
-        op: Op,
-        table: bytes,
-        segments: Sequence[Segment],
-        deadline: float,
-        crc_spans: list[tuple[int, int]] | None,
-    ) -> tuple[bytes, list[int]]:
+    def exchange(self, op: Op, frame: _Frame, deadline: float) -> tuple[bytes, list[int]]:
         """One request/reply for up to ``MAX_COUNT`` segments, in one native call (one
         release of the GIL, plain tcp): returns the status table and, for a read with
-        ``crc_spans`` (ranges of ``segments``), the CRC32C of each span's landed bytes."""
+        ``crc_spans`` (ranges of ``segments``), the CRC32C of each span's landed bytes.
+
+        A write with a trailer is two: the payloads go with their CRCs taken as they are
+        sent, then the trailer made from them goes and the reply comes back. The node sees
+        one frame either way."""
         rid = self._next_id
         self._next_id += 1
+        segments = frame.segments
         count = len(segments)
-        head = pack_header(op, 0, count, rid) + table
+        head = pack_header(op, 0, count, rid) + frame.table
         buffers = [seg.buffer for seg in segments]
-        if op == Op.WRITE:
+        crc_spans = frame.crc_spans
+        trailer = frame.trailer
+        request: list[bytes | memoryview]
+        payloads: list[memoryview]
+        if trailer is not None:
+            start = frame.trailer_start
+            # The frame's header and table go first: the spans are shifted past them.
+            shifted = [(a + 1, b + 1) for a, b in crc_spans or ()]
+            sent_crcs = self.stream.send_checksummed([head, *buffers[:start]], deadline, shifted)
+            request, payloads, crc_spans = [*trailer(sent_crcs)], [], None
+        elif op == Op.WRITE:
             request, payloads = [head, *buffers], []
         else:
             request, payloads = [head], buffers
@@ -142,6 +150,8 @@ class _Connection:
             crcs = self.stream.request_reply(
                 request, reply, payloads, deadline, status_offset=HEADER.size, crc_spans=crc_spans
             )
+            if trailer is not None:
+                crcs = sent_crcs
         except PeerClosed as closed:
             # An error reply is a bare header, then the node closes: read what it says.
             if closed.received >= HEADER.size:
@@ -245,10 +255,10 @@ class TcpClient(PeerClient[_Peer]):
     # PeerClosed is a ConnectionError; _Refused: the node answered with an error code, or
     # the handshake cannot succeed (TLS on one side only, a node without the secret).
     native_errors = {**SOCKET_ERRORS, ProtocolError: TransportError, _Refused: TransportError}
-    # Writes leave the CRCs to PeerClient: one crc32c_many before the frame (the GIL back
-    # once), and the records' headers, made from them, go in the same frame as the payloads
-    # (one round trip). Checksumming while sending would need the headers in a second frame.
-    checksums_writes = False
+    # A checksummed write checksums its payloads as they are sent and sends the records'
+    # headers, made from those CRCs, after them in the same frame (one round trip, and no
+    # pass over the payloads of its own for the CRCs: 64 x 4 MiB took 20 ms of it).
+    streams_trailers = True
 
     def __init__(self, config: TransportConfig, pool: int, tls: ssl.SSLContext | None) -> None:
         super().__init__(config)
@@ -273,14 +283,23 @@ class TcpClient(PeerClient[_Peer]):
 
 class _Frame:
     """Up to ``MAX_COUNT`` segments of a batch, their entry table, and (a read with CRCs)
-    the spans that fall inside them, as ranges of the frame's segments."""
+    the spans that fall inside them, as ranges of the frame's segments; (a write with a
+    trailer) where the trailer starts and what makes its buffers from the CRCs."""
 
-    __slots__ = ("crc_spans", "segments", "table")
+    __slots__ = ("crc_spans", "segments", "table", "trailer", "trailer_start")
 
-    def __init__(self, segments: list[Segment], crc_spans: list[tuple[int, int]] | None) -> None:
+    def __init__(
+        self,
+        segments: list[Segment],
+        crc_spans: list[tuple[int, int]] | None,
+        trailer: Callable[[list[int]], list[memoryview]] | None = None,
+        trailer_start: int = 0,
+    ) -> None:
         self.segments = segments
         self.table = _pack_table(segments)
         self.crc_spans = crc_spans
+        self.trailer = trailer
+        self.trailer_start = trailer_start
 
 
 def _call(peer: _Peer, op: Op, batch: Batch) -> None:
@@ -291,6 +310,9 @@ def _call(peer: _Peer, op: Op, batch: Batch) -> None:
     left to PeerClient (one more native call).
     """
     segments = batch.segments
+    if op == Op.WRITE and batch.trailer is not None:
+        _write_with_trailer(peer, batch)
+        return
     spans = batch.crc_spans if op == Op.READ else None
     bounds, framed = _frame_bounds(len(segments), spans)
     frames = []
@@ -299,6 +321,34 @@ def _call(peer: _Peer, op: Op, batch: Batch) -> None:
     statuses, crcs = _exchange(peer, op, frames, batch.deadline)
     if spans is not None and framed[0] is not None:
         batch.crcs = crcs
+    _refuse(batch, statuses)
+
+
+def _write_with_trailer(peer: _Peer, batch: Batch) -> None:
+    """A checksummed write: in one frame, the payloads checksummed as they are sent; in
+    several (more than ``MAX_COUNT`` segments), the CRCs first and the trailer filled in."""
+    trailer = batch.trailer
+    assert trailer is not None
+    segments = batch.segments
+    start = batch.trailer_start
+    if len(segments) <= MAX_COUNT:
+        frame = _Frame(segments, batch.crc_spans, trailer, start)
+        statuses, crcs = _exchange(peer, Op.WRITE, [frame], batch.deadline)
+    else:
+        crcs = batch.checksum()
+        tail = [
+            Segment(seg.region, seg.rkey, seg.offset, buffer)
+            for seg, buffer in zip(segments[start:], trailer(crcs), strict=True)
+        ]
+        whole = [*segments[:start], *tail]
+        bounds, _ = _frame_bounds(len(whole), None)
+        frames = [_Frame(whole[a:b], None) for a, b in bounds]
+        statuses, _ = _exchange(peer, Op.WRITE, frames, batch.deadline)
+    batch.crcs = crcs
+    _refuse(batch, statuses)
+
+
+def _refuse(batch: Batch, statuses: bytes) -> None:
     if statuses.count(_OK) != len(statuses):
         for i, status in enumerate(statuses):
             if status != _OK:
@@ -368,9 +418,7 @@ def _run(
     crcs: list[int] = []
     try:
         for frame in frames:
-            frame_statuses, frame_crcs = conn.exchange(
-                op, frame.table, frame.segments, deadline, frame.crc_spans
-            )
+            frame_statuses, frame_crcs = conn.exchange(op, frame, deadline)
             statuses.append(frame_statuses)
             crcs += frame_crcs
     except BaseException:

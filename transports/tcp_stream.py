@@ -41,6 +41,7 @@ from kvfabric.spi import (
     crc32c_many,
     recv_into_all,
     request_reply,
+    send_checksummed,
 )
 from kvfabric.spi import send_all as native_send_all
 
@@ -130,6 +131,13 @@ class Stream:
 
     def _send(self, buffers: Sequence[Any], deadline: float | None) -> None:
         native_send_all(self.sock, buffers, deadline)
+
+    def send_checksummed(
+        self, buffers: Sequence[Any], deadline: float | None, crc_spans: Spans
+    ) -> list[int]:
+        """Send every buffer in order with the CRC32C of each span of them, taken as the
+        bytes go (one native call: :func:`kvfabric.spi.send_checksummed`)."""
+        return send_checksummed(self.sock, buffers, deadline, crc_spans)
 
     def recv_growing(self, size: int, deadline: float | None) -> bytearray:
         """``size`` bytes the peer announced, held only as they arrive: the buffer starts at
@@ -279,6 +287,14 @@ class TlsStream(Stream):
                     sent += self._call(self.sock.send, view[sent:], deadline)
                 except _Eof:
                     raise peer_closed(0, "while this side was sending") from None
+
+    def send_checksummed(
+        self, buffers: Sequence[Any], deadline: float | None, crc_spans: Spans
+    ) -> list[int]:
+        """As :meth:`Stream.send_checksummed`, in Python; the CRCs in one native call after
+        the bytes went."""
+        self.send_all(buffers, deadline)
+        return crc32c_many([[buffers[i] for i in range(a, b)] for a, b in crc_spans])
 
     def request_reply(
         self,

@@ -61,6 +61,7 @@ from kvfabric.spi.native import (
     recv_into_all,
     request_reply,
     send_all,
+    send_checksummed,
     ucp_post,
     ucp_wait,
 )
@@ -203,6 +204,7 @@ __all__ = [
     "scan_records",
     "segment_status",
     "send_all",
+    "send_checksummed",
     "ucp_post",
     "ucp_wait",
     "validate_record",

@@ -25,6 +25,12 @@ def prefault(buffer: ReadableBuffer, write: bool = True, force_touch: bool = Fal
 def send_all(
     fd: FileDescriptorLike, buffers: Sequence[ReadableBuffer], deadline: float | None
 ) -> int: ...
+def send_checksummed(
+    fd: FileDescriptorLike,
+    buffers: Sequence[ReadableBuffer],
+    deadline: float | None,
+    crc_spans: Sequence[tuple[int, int]],
+) -> list[int]: ...
 def recv_into_all(
     fd: FileDescriptorLike,
     buffers: Sequence[WriteableBuffer],

@@ -62,6 +62,7 @@ __all__ = [
     "recv_into_all",
     "request_reply",
     "send_all",
+    "send_checksummed",
     "ucp_post",
     "ucp_wait",
 ]
@@ -171,6 +172,22 @@ def send_all(
     an ``OSError`` with its errno. Messages say how many bytes went before the failure.
     """
     return _native.send_all(fd, buffers, deadline)
+
+
+def send_checksummed(
+    fd: FileDescriptorLike,
+    buffers: Sequence[ReadableBuffer],
+    deadline: float | None,
+    crc_spans: Spans,
+) -> list[int]:
+    """:func:`send_all`, returning the CRC32C of each ``crc_spans`` range of ``buffers``.
+
+    Spans as in :func:`copy_many`. The send goes in windows of 256 KiB, each checksummed
+    right after the kernel copied it out, so the CRC reads the bytes from cache rather than
+    making a pass of its own over memory. The bytes are the caller's, read twice (the copy,
+    then the CRC): a caller that changes them meanwhile gets a CRC that its reader refuses.
+    """
+    return _native.send_checksummed(fd, buffers, deadline, crc_spans)
 
 
 def recv_into_all(

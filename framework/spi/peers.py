@@ -14,6 +14,7 @@ it can (``Batch.crcs``), else in one native call for the batch.
 from __future__ import annotations
 
 import abc
+import functools
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ from typing import ClassVar, Generic, TypeVar
 
 from kvfabric.errors import TransportError
 from kvfabric.spi.boundary import SOCKET_ERRORS, ExceptionMapping, map_exceptions
+from kvfabric.spi.buffers import byte_view
 from kvfabric.spi.segments import Batch, plan_batch
 from kvfabric.spi.transport import (
     NodeEndpoint,
@@ -70,6 +72,11 @@ class PeerClient(TransportClient, Generic[P]):
     writes, when the batch has ``crc_spans``. A checksummed write then stores the payloads
     in one call and the trailer (the headers, made from those CRCs) in a second; otherwise
     the CRCs come first, in one native call, and one call stores payloads and trailer."""
+    streams_trailers: ClassVar[bool] = False
+    """A checksummed write is one ``write_segments`` call whose batch has a ``trailer``
+    (see :class:`~kvfabric.spi.Batch`): the primitive checksums the payloads while it
+    sends them, then sends the trailer made from those CRCs in the same request (one
+    round trip, no pass of its own over the payloads for their CRCs)."""
 
     def __init__(self, config: TransportConfig) -> None:
         self.config = config
@@ -168,10 +175,31 @@ class PeerClient(TransportClient, Generic[P]):
             tail = self._plan(entry, trailer(crcs), into_buffers=False, deadline=batch.deadline)
             self._move(entry, tail, self.write_segments)
             return batch.errors + tail.errors, crcs
+        if self.streams_trailers:
+            return self._write_streamed(entry, batch, trailer)
         crcs = batch.checksum()
         tail = self._plan(entry, trailer(crcs), into_buffers=False, deadline=batch.deadline)
         both = _joined(batch, tail)
         self._move(entry, both, self.write_segments)
+        return both.errors, crcs
+
+    def _write_streamed(
+        self, entry: _Entry[P], batch: Batch, trailer: Callable[[list[int]], Sequence[Segment]]
+    ) -> tuple[list[TransportError | None], list[int]]:
+        """One call: the trailer is planned from placeholder CRCs (its places and sizes do
+        not depend on them) and made for real by the primitive, once it has the CRCs."""
+        spans = batch.crc_spans or []
+        placeholder = self._plan(
+            entry, trailer([0] * len(spans)), into_buffers=False, deadline=batch.deadline
+        )
+        both = _joined(batch, placeholder)
+        both.crc_spans = batch.crc_spans
+        both.trailer_start = len(batch.segments)
+        both.trailer = functools.partial(_trailer_buffers, trailer, placeholder)
+        self._move(entry, both, self.write_segments)
+        crcs = both.crcs
+        if crcs is None:
+            raise TransportError(f"{entry.where}: the write did not report its checksums")
         return both.errors, crcs
 
     def disconnect(self, node: int) -> None:
@@ -232,6 +260,30 @@ class PeerClient(TransportClient, Generic[P]):
     def _check_open(self) -> None:
         if self._closed:
             raise TransportError("this transport client is closed")
+
+
+def _trailer_buffers(
+    trailer: Callable[[list[int]], Sequence[Segment]], planned: Batch, crcs: list[int]
+) -> list[memoryview]:
+    """The buffers of the trailer made from ``crcs``, for the segments planning accepted;
+    each must land where its placeholder was planned, with the same size."""
+    made = trailer(crcs)
+    buffers: list[memoryview] = []
+    for seg, position in zip(planned.segments, planned.positions, strict=True):
+        real = made[position]
+        view = byte_view(real.buffer)
+        if (real.region, real.rkey, real.offset, view.nbytes) != (
+            seg.region,
+            seg.rkey,
+            seg.offset,
+            seg.buffer.nbytes,
+        ):
+            raise ValueError(
+                f"trailer segment {position} changed with its CRCs ({real!r}, planned as "
+                f"{seg!r}): a trailer's places and sizes must not depend on them"
+            )
+        buffers.append(view)
+    return buffers
 
 
 def _joined(first: Batch, second: Batch) -> Batch:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from kvfabric.errors import TransportError
 from kvfabric.spi.native import crc32c_many
@@ -75,9 +75,25 @@ class Batch:
     ``crc_spans``) sets ``crcs``, one per span: for a read, of the bytes as they landed;
     for a write, of the source bytes it stored. Otherwise ``crcs`` stays None and
     :meth:`checksum` computes them in one native call.
+
+    ``trailer`` (a checksummed write to a transport that ``streams_trailers``): the
+    segments from ``trailer_start`` on are the records' headers, planned with placeholder
+    contents; ``trailer(crcs)`` gives their real buffers, in the same order and sizes, once
+    the spans' CRCs are known. The primitive sends the payloads, checksumming them as they
+    go, then those buffers, and sets ``crcs``.
     """
 
-    __slots__ = ("crc_spans", "crcs", "deadline", "errors", "node", "positions", "segments")
+    __slots__ = (
+        "crc_spans",
+        "crcs",
+        "deadline",
+        "errors",
+        "node",
+        "positions",
+        "segments",
+        "trailer",
+        "trailer_start",
+    )
 
     def __init__(
         self,
@@ -95,6 +111,8 @@ class Batch:
         self.deadline = deadline
         self.crc_spans = crc_spans
         self.crcs: list[int] | None = None
+        self.trailer: Callable[[list[int]], list[memoryview]] | None = None
+        self.trailer_start = len(segments)
 
     def checksum(self) -> list[int]:
         """The CRC32C of each span's buffers as they are now: one native call, one release

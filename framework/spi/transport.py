@@ -197,10 +197,13 @@ class TransportClient(abc.ABC):
         For records: each span of ``segments`` is one record's payload, and ``trailer``
         gets the CRC32C of each span's source bytes and returns the records' headers, which
         carry them. Every trailer segment is stored after every payload segment is (a reader
-        never sees a header before its payload). Returns an error per segment, then per
-        trailer segment (as :meth:`write`), and the CRCs. This default checksums the spans
-        in one native call, then writes payloads and trailer in one :meth:`write`;
-        :class:`~kvfabric.spi.PeerClient` lets a transport checksum while it writes.
+        never sees a header before its payload). The trailer's places and sizes must not
+        depend on the CRCs: a transport may call ``trailer`` first with placeholders (zeros)
+        to plan the request, and again with the real CRCs while it sends. Returns an error
+        per segment, then per trailer segment (as :meth:`write`), and the CRCs. This
+        default checksums the spans in one native call, then writes payloads and trailer in
+        one :meth:`write`; :class:`~kvfabric.spi.PeerClient` lets a transport checksum
+        while it writes.
         """
         crcs = crc32c_many(_span_buffers(segments, crc_spans, None))
         tail = trailer(crcs)

@@ -417,7 +417,8 @@ class TransportConformance:
         assert errors == [None] * (len(writes) + len(spans))
         want = [crc32c.crc32c(payloads[0]), crc32c.crc32c(payloads[1] + payloads[2])]
         assert crcs == want
-        assert made == [want]
+        # A transport that streams its trailer first plans it from placeholder CRCs.
+        assert made[-1] == want
         dests = [bytearray(len(p)) for p in payloads] + [bytearray(16)]
         reads = [segment_for(endpoint, 0, o, d) for o, d in zip(offsets, dests[:-1], strict=True)]
         assert client.read(1, [*reads, segment_for(endpoint, 1, 0, dests[-1])]) == [None] * 4

@@ -93,6 +93,28 @@ class _ChecksummingClient(_InProcessClient):
             ]
 
 
+class _StreamingClient(_InProcessClient):
+    """Its write primitive checksums the payloads as it stores them, then stores the trailer
+    ``batch.trailer`` makes from those CRCs, in the same call (as ``tcp`` does)."""
+
+    streams_trailers = True
+
+    def write_segments(self, peer: _Memory, batch: Batch) -> None:
+        if batch.trailer is None:
+            super().write_segments(peer, batch)
+            return
+        start = batch.trailer_start
+        spans = batch.crc_spans or []
+        crcs = [crc32c.crc32c(b"".join(s.buffer for s in batch.segments[a:b])) for a, b in spans]
+        buffers = batch.trailer(crcs)
+        batch.segments[start:] = [
+            Segment(s.region, s.rkey, s.offset, b)
+            for s, b in zip(batch.segments[start:], buffers, strict=True)
+        ]
+        super().write_segments(peer, batch)
+        batch.crcs = crcs
+
+
 def _endpoint(node: int = 1, address: bytes = b"here") -> NodeEndpoint:
     return NodeEndpoint(node=node, transport="inprocess", address=address, regions=(_HANDLE,))
 
@@ -307,7 +329,7 @@ def _trailer(crcs: list[int]) -> list[Segment]:
     return [_segment(200 + 4 * i, crc.to_bytes(4, "little")) for i, crc in enumerate(crcs)]
 
 
-@pytest.mark.parametrize("client_cls", [_InProcessClient, _ChecksummingClient])
+@pytest.mark.parametrize("client_cls", [_InProcessClient, _ChecksummingClient, _StreamingClient])
 def test_a_checksummed_write_stores_the_trailer_after_every_payload(
     client_cls: type[_InProcessClient],
 ) -> None:
@@ -322,11 +344,28 @@ def test_a_checksummed_write_stores_the_trailer_after_every_payload(
         # The payloads, checksummed as they went, then the trailer in a call of its own.
         assert client.writes == [[0, 3, 5, 0xBAD], [200, 204, 208]]
     else:
-        # The CRCs first, then one call: payloads, then the trailer.
+        # One call: payloads, then the trailer (made from CRCs taken first, or, streaming,
+        # as the payloads went).
         assert client.writes == [[0, 3, 5, 0xBAD, 200, 204, 208]]
     dest = bytearray(8)
     assert client.read(1, [_segment(200, dest)]) == [None]
     assert dest == crcs[0].to_bytes(4, "little") + crcs[1].to_bytes(4, "little")
+
+
+def test_a_trailer_that_moves_with_its_crcs_is_refused_before_it_is_stored() -> None:
+    """A streaming transport plans the trailer from placeholder CRCs: one whose places
+    depend on the CRCs would land somewhere unchecked, so it is refused."""
+    client = _StreamingClient()
+    client.connect(_endpoint())
+
+    def moving(crcs: list[int]) -> list[Segment]:
+        return [_segment(200 if crc == 0 else 208, b"head") for crc in crcs]
+
+    with pytest.raises(ValueError, match="must not depend on them"):
+        client.write_checksummed(1, [_segment(0, b"payload")], [(0, 1)], moving)
+    dest = bytearray(20)
+    assert client.read(1, [_segment(200, dest)]) == [None]
+    assert dest == bytes(20)
 
 
 class _BareClient(TransportClient):

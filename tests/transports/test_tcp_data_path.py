@@ -109,8 +109,8 @@ def test_a_64_by_4mib_write_and_checksummed_read_take_the_gil_back_once_each(
 def test_a_checksummed_write_takes_the_gil_back_twice_and_stores_the_trailer_last(
     big_server: RegionServer, client: TransportClient, blobs: list[bytes]
 ) -> None:
-    """The sources' CRCs in one native call before the frame (the trailer is made from
-    them), then one frame holding payloads and trailer."""
+    """One frame holding payloads and trailer, in two native calls: the payloads, each
+    checksummed as it is sent, then the trailer made from those CRCs and the reply."""
     endpoint = big_server.endpoint
     writes = [_place(endpoint, i, b) for i, b in enumerate(blobs)]
     spans = [(i, i + 1) for i in range(_COUNT)]
@@ -228,6 +228,36 @@ def test_a_read_of_more_segments_than_a_frame_gets_every_crc(
     assert dest == data
     assert crcs == crc32c_many([view[a * size : b * size] for a, b in spans])
     assert returns == expected_returns
+
+
+def test_a_checksummed_write_of_more_segments_than_a_frame_stores_every_record(
+    big_server: RegionServer, client: TransportClient
+) -> None:
+    """Past one frame the trailer cannot follow its payloads' CRCs in the same frame: the
+    CRCs come first (one native call) and the frames go as usual."""
+    endpoint = big_server.endpoint
+    count, size = MAX_COUNT + 4_500, 64
+    data, _, _ = _many_segments(endpoint, count, size)
+    view = memoryview(data)
+    writes = [
+        segment_for(endpoint, 0, i * size, view[i * size : (i + 1) * size]) for i in range(count)
+    ]
+    spans = [(i, min(i + 3, count)) for i in range(0, count, 3)]
+    trailer_at = (3, 0)
+
+    def trailer(crcs: list[int]) -> list[Segment]:
+        packed = b"".join(c.to_bytes(4, "little") for c in crcs)
+        return [segment_for(endpoint, trailer_at[0], trailer_at[1], packed)]
+
+    errors, crcs = client.write_checksummed(1, writes, spans, trailer)
+    assert errors == [None] * (count + 1)
+    assert crcs == crc32c_many([view[a * size : b * size] for a, b in spans])
+    landed = bytearray(count * size)
+    assert client.read(1, [segment_for(endpoint, 0, 0, landed)]) == [None]
+    assert landed == data
+    stored = bytearray(4 * len(spans))
+    assert client.read(1, [segment_for(endpoint, *trailer_at, stored)]) == [None]
+    assert stored == b"".join(c.to_bytes(4, "little") for c in crcs)
 
 
 # -- replies no real node sends ---------------------------------------------------------------

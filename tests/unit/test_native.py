@@ -439,6 +439,38 @@ def test_buffers_beyond_iov_max_of_mixed_sizes_cross_tcp_exactly(
     assert crcs == [_crc(b"".join(sources[a:b])) for a, b in spans]
 
 
+def test_a_checksummed_send_returns_each_spans_crc_of_what_it_sent(
+    tcp_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """Windows of 1 MiB are checksummed as they go: spans that start and end inside a
+    window, cross several, are empty, or cover buffers beyond IOV_MAX all come out exact."""
+    client, server = tcp_pair
+    rng = random.Random(5)
+    count = native.IOV_MAX + 300
+    sizes = [rng.choice([0, 1, 64, 70_000]) for _ in range(count)]
+    sizes[0] = sizes[20] = sizes[900] = 3 << 20  # each spans several windows
+    sources = [os.urandom(size) for size in sizes]
+    targets = [bytearray(size) for size in sizes]
+    spans = [(0, 1), (1, 1), (1, 40), (40, count - 1)]
+    join = _in_thread(lambda: native.recv_into_all(server, targets, time.monotonic() + 60))
+    crcs = native.send_checksummed(client, sources, time.monotonic() + 60, spans)
+    join()
+    assert targets == [bytearray(s) for s in sources]
+    assert crcs == [_crc(b"".join(sources[a:b])) for a, b in spans]
+
+
+@pytest.mark.parametrize("spans", [[(2, 1)], [(0, 2), (1, 3)], [(0, 9)], [(0,)], "no"])
+def test_a_checksummed_send_with_bad_spans_sends_nothing(
+    tcp_pair: tuple[socket.socket, socket.socket], spans: object
+) -> None:
+    client, server = tcp_pair
+    with pytest.raises((ValueError, TypeError)):
+        native.send_checksummed(client, [b"abc", b"def", b"ghi"], None, spans)  # type: ignore[arg-type]
+    server.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        server.recv(1)
+
+
 def test_a_large_payload_over_nonblocking_sockets_with_a_timeout_set() -> None:
     left, right = socket.socketpair()
     with left, right:

@@ -37,6 +37,7 @@
 #define COPY_CHUNK (64 * 1024)
 /* The same for receive+CRC: at most this many bytes per recvmsg when CRCs are asked. */
 #define RECV_CRC_WINDOW (256 * 1024)
+#define SEND_CRC_WINDOW (1024 * 1024)
 
 static PyObject *PeerClosed;
 static size_t iov_max;
@@ -652,24 +653,35 @@ static void stream_init(kvf_stream *s, int fd, int sending, struct iovec *bufs, 
     s->iov_max = scratch_len;
 }
 
-static PyObject *py_send_all(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"fd", "buffers", "deadline", NULL};
-    PyObject *fd_obj, *buffers, *deadline_obj;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO:send_all", kwlist, &fd_obj, &buffers,
-                                     &deadline_obj))
-        return NULL;
+/* send_all, and send_checksummed (`spans` not NULL): returns the bytes sent, or the CRCs. */
+static PyObject *send_buffers(PyObject *fd_obj, PyObject *buffers, PyObject *deadline_obj,
+                              PyObject *spans, const char *func) {
     int64_t deadline;
     int fd = PyObject_AsFileDescriptor(fd_obj);
     if (fd < 0 || parse_deadline(deadline_obj, &deadline) < 0)
         return NULL;
-    PyObject *fast = PySequence_Fast(buffers, "send_all: buffers must be a sequence");
+    PyObject *fast = PySequence_Fast(buffers, "buffers must be a sequence");
     if (!fast)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     Views vs = {NULL, 0, 0};
     struct iovec *bufs = NULL, *scratch = NULL;
+    int32_t *span_of = PyMem_Calloc(n ? (size_t)n : 1, sizeof(int32_t));
+    uint32_t *crcs = NULL;
     PyObject *result = NULL;
-    if (views_init(&vs, n) < 0 || get_views(&vs, fast, 0, "send_all", "buffer") < 0)
+    if (!span_of) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t nspans = parse_spans(spans, n, span_of, func);
+    if (nspans < 0)
+        goto done;
+    crcs = PyMem_Calloc(nspans ? (size_t)nspans : 1, sizeof(uint32_t));
+    if (!crcs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (views_init(&vs, n) < 0 || get_views(&vs, fast, 0, func, "buffer") < 0)
         goto done;
     bufs = iovecs_of(vs.v, n);
     scratch = PyMem_Calloc(scratch_entries(n), sizeof(struct iovec));
@@ -679,17 +691,46 @@ static PyObject *py_send_all(PyObject *self, PyObject *args, PyObject *kwargs) {
     }
     kvf_stream s;
     stream_init(&s, fd, 1, bufs, (size_t)n, deadline, scratch, scratch_entries(n));
+    if (nspans) {
+        /* Each window is checksummed right after the kernel copied it out: the CRC reads
+           the bytes from cache instead of making a pass of its own over memory. */
+        s.span_of = span_of;
+        s.crcs = crcs;
+        s.window = SEND_CRC_WINDOW;
+    }
     Gil g = {NULL, total_len(vs.v, n) < GIL_RELEASE_MIN};
     int rc = run_stream(&s, &g);
     gil_end(&g);
-    result = rc == KVF_DONE ? PyLong_FromUnsignedLongLong(s.moved)
-                            : stream_error("send_all", rc, &s, s.moved, 0);
+    if (rc != KVF_DONE)
+        result = stream_error(func, rc, &s, s.moved, 0);
+    else
+        result = spans ? crc_list(crcs, nspans) : PyLong_FromUnsignedLongLong(s.moved);
 done:
     views_release(&vs);
     PyMem_Free(bufs);
     PyMem_Free(scratch);
+    PyMem_Free(span_of);
+    PyMem_Free(crcs);
     Py_DECREF(fast);
     return result;
+}
+
+static PyObject *py_send_all(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"fd", "buffers", "deadline", NULL};
+    PyObject *fd_obj, *buffers, *deadline_obj;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO:send_all", kwlist, &fd_obj, &buffers,
+                                     &deadline_obj))
+        return NULL;
+    return send_buffers(fd_obj, buffers, deadline_obj, NULL, "send_all");
+}
+
+static PyObject *py_send_checksummed(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"fd", "buffers", "deadline", "crc_spans", NULL};
+    PyObject *fd_obj, *buffers, *deadline_obj, *spans;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO:send_checksummed", kwlist, &fd_obj,
+                                     &buffers, &deadline_obj, &spans))
+        return NULL;
+    return send_buffers(fd_obj, buffers, deadline_obj, spans, "send_checksummed");
 }
 
 static PyObject *py_recv_into_all(PyObject *self, PyObject *args, PyObject *kwargs) {
@@ -1371,6 +1412,10 @@ static PyMethodDef methods[] = {
      "prefault(buffer, write=True, force_touch=False) -> bool: fault in every page of buffer."},
     {"send_all", (PyCFunction)(void (*)(void))py_send_all, METH_VARARGS | METH_KEYWORDS,
      "send_all(fd, buffers, deadline) -> int: send every buffer in order."},
+    {"send_checksummed", (PyCFunction)(void (*)(void))py_send_checksummed,
+     METH_VARARGS | METH_KEYWORDS,
+     "send_checksummed(fd, buffers, deadline, crc_spans) -> list[int]: send every buffer in "
+     "order, with the CRC32C of each span of them."},
     {"recv_into_all", (PyCFunction)(void (*)(void))py_recv_into_all,
      METH_VARARGS | METH_KEYWORDS,
      "recv_into_all(fd, buffers, deadline, crc_spans=None) -> list[int]: fill every buffer."},

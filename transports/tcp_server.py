@@ -337,7 +337,7 @@ class TcpServer(TransportServer):
         def targets() -> Iterator[Target]:
             check = self._regions.check
             for region, rkey, offset, length in ENTRY.iter_unpack(table):
-                status, view = check(region, rkey, offset, length)
+                status, view = check(region, rkey, offset, length, write=True)
                 statuses.append(status)
                 if view is not None:
                     written[0] += 1

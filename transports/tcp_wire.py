@@ -13,7 +13,8 @@ HELLO reply. After that it carries one request and its reply at a time::
     entry    region u32 | rkey u64 | offset u64 | length u64
     reply    header (the request's op and id, code 0), then count x status u8
              (``kvfabric.spi.SegmentStatus``: 0 accepted, 1 unknown region, 2 bad rkey,
-             3 out of bounds), then for READ the bytes of every accepted segment in order
+             3 out of bounds, 4 a write to a read-only region), then for READ the bytes
+             of every accepted segment in order
 
 A request's ``code`` is 0. A frame the node will not serve gets an error reply (a header
 with count 0 and a nonzero :class:`Code`) and the connection is closed; other connections

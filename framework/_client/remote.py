@@ -59,11 +59,11 @@ def open_remote(options: RemoteOptions, host: str, port: int, plugins: PluginMan
     index = RemoteIndex(control)
     map_locally = options.transport in (None, "shm")
 
-    def locate_image() -> tuple[ImageReader | None]:
+    def locate_image() -> tuple[ImageReader | None, bool]:
         location = index.image_location()
         if location is None:
-            return (None,)
-        return (open_image(location, clients, map_locally=map_locally),)
+            return None, False
+        return open_image(location, clients, map_locally=map_locally), True
 
     try:
         store = Store(

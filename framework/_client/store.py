@@ -97,6 +97,11 @@ _LEASE_SHARE = 0.5
 _RELEARN_INTERVAL = 1.0
 
 # Lookups answered from the lookup image, counted apart from control RPCs.
+# An image that cannot be read may have moved (its server, in a process of its own,
+# restarted at another address): where it is is asked again, at most once a second, then
+# less often while it stays out of reach (one served on no transport this client has).
+_IMAGE_RECHECK_MIN = 1.0
+_IMAGE_RECHECK_MAX = 30.0
 _IMAGE_COUNTERS = (
     "onesided_lookups",
     "image_fallbacks",
@@ -139,13 +144,14 @@ class Store:
         local_node: DataNode | None = None,
         local_index: IndexPlugin | None = None,
         image: ImageReader | None = None,
-        locate_image: Callable[[], tuple[ImageReader | None]] | None = None,
+        locate_image: Callable[[], tuple[ImageReader | None, bool]] | None = None,
     ) -> None:
         """``local_node``, ``local_index``: the data node and the index running in this
         process (embedded mode), if any.
         ``image``: a reader of the index's lookup image; ``locate_image``: asks the
-        controller where its image is (one control RPC; a 1-tuple of a reader or None),
-        whenever this client learns the nodes and has no image from this controller yet.
+        controller where its image is (one control RPC; a reader or None, and whether the
+        controller serves one), whenever this client learns the nodes and has no image from
+        this controller yet.
         """
         self.local_node = local_node
         self.local_index = local_index
@@ -162,6 +168,10 @@ class Store:
         self._locate_image = locate_image
         self._image_unlocated = locate_image is not None
         self._relocate_due = False
+        self._image_rechecked_at = 0.0
+        self._image_recheck_interval = _IMAGE_RECHECK_MIN
+        self._image_unreachable = False
+        """The controller serves an image this client could not open (yet)."""
         self._touches = TouchReporter(index.touch, self._counters)
         self._observer_pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -246,6 +256,8 @@ class Store:
             return hits
         # From keys[hits] on the image cannot tell (a torn bucket, a key that found no room
         # in it, an image it cannot read now): the index answers for the rest.
+        if stop == ImageStop.UNUSABLE:
+            self._recheck_image()
         copies = self._ask(self._index.lookup_copies, keys[hits:])
         total = hits + (self._remember(copies) if copies is not None else 0)
         self._counters.update(
@@ -283,12 +295,28 @@ class Store:
                 found[i] = flag
         return found
 
+    def _recheck_image(self) -> None:
+        """Ask where the image is before the next lookup: one that cannot be read may have
+        moved. Until the controller answers, the reader stays."""
+        now = time.monotonic()
+        if self._locate_image is None or now - self._image_rechecked_at < (
+            self._image_recheck_interval
+        ):
+            return
+        self._image_rechecked_at = now
+        self._image_unlocated = True
+        self._relocate_due = True
+
     def _image_reader(self) -> ImageReader | None:
         if self._relocate_due:
-            # A restarted controller serves another image (if any): learn where, once.
+            # A restarted controller serves another image (if any), or the image's server
+            # moved: learn where, once.
             self._relocate_due = False
             self._refresh_membership()
-        return self._image.reader
+        reader = self._image.reader
+        if reader is None and self._image_unreachable:
+            self._recheck_image()
+        return reader
 
     def locate(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
         """Where each key's record lives, asked of the index now (one control round trip).
@@ -663,8 +691,15 @@ class Store:
         located = self._ask(self._locate_image)
         if located is None:
             return  # no answer: asked again the next time the nodes are learned
+        reader, served = located
         self._image_unlocated = False
-        self._image.replace(located[0])
+        self._image.replace(reader)
+        self._image_unreachable = served and reader is None
+        if self._image_unreachable:
+            # Asked again later, less often each time it stays out of reach.
+            self._image_recheck_interval = min(2 * self._image_recheck_interval, _IMAGE_RECHECK_MAX)
+        else:
+            self._image_recheck_interval = _IMAGE_RECHECK_MIN
 
     def _report_invalid(self, descriptors: Sequence[Descriptor]) -> None:
         """Tell the index which published records failed validation (one call, rare)."""

@@ -28,14 +28,16 @@ from typing import Any
 
 import zmq
 
+from kvfabric._control.image_process import ImageProcessServer
 from kvfabric._control.security import Credentials
 from kvfabric._wire import protocol as p
 from kvfabric._wire.protocol import REPLY_BIT, ErrorCode, MsgType
 from kvfabric.errors import KvfabricError, ProtocolError
+from kvfabric.spi.backend import Region
 from kvfabric.spi.codec import Reader, Writer
 from kvfabric.spi.image import IMAGE_NODE, ImageGeometry, host_identity
 from kvfabric.spi.index import IndexPlugin, NodeInfo
-from kvfabric.spi.transport import NodeEndpoint, TransportServer
+from kvfabric.spi.transport import NodeEndpoint, RegionHandle, TransportServer
 
 __all__ = ["Controller"]
 
@@ -91,6 +93,8 @@ class Controller:
         self._counters: Counter[str] = Counter()
         self._stopping = threading.Event()
         self._image_servers = dict(image_servers or {})
+        self._image_handles: dict[str, RegionHandle] = {}
+        self._image_region: Region | None = None
         self.image: p.ImageLocation | None = None
         # A handler decodes the request and returns what applying it does: the frame is
         # checked whole (no trailing bytes) between the two, so a frame refused for any
@@ -166,18 +170,27 @@ class Controller:
         if region is None:
             log.info("index %s keeps no lookup image: lookups go by RPC", self.index.name)
             return None
-        endpoints = []
         for name, server in self._image_servers.items():
             try:
-                handle = server.register(region)
+                self._image_handles[name] = server.register(region)
             except KvfabricError as exc:
                 log.warning("the %s transport cannot serve the lookup image: %s", name, exc)
-                continue
-            endpoints.append(
-                NodeEndpoint(
-                    node=IMAGE_NODE, transport=name, address=server.address, regions=(handle,)
-                )
+        self._image_region = region
+        return self._image_location_now()
+
+    def _image_location_now(self) -> p.ImageLocation:
+        """Where the image is served now (a server in a process of its own may have moved)."""
+        region = self._image_region
+        assert region is not None
+        endpoints = [
+            NodeEndpoint(
+                node=IMAGE_NODE,
+                transport=name,
+                address=self._image_servers[name].address,
+                regions=(handle,),
             )
+            for name, handle in self._image_handles.items()
+        ]
         local = "shm" in self._image_servers and region.path is not None
         st = os.stat(region.path) if local and region.path else None
         geometry = ImageGeometry.from_header(region.view)
@@ -185,7 +198,8 @@ class Controller:
             "lookup image: %d buckets (%d bytes) over %s",
             geometry.buckets,
             region.size,
-            ", ".join(e.transport for e in endpoints) or "nothing",
+            ", ".join(f"{e.transport} at {e.address.decode(errors='replace')}" for e in endpoints)
+            or "nothing",
         )
         return p.ImageLocation(
             image_id=geometry.image_id,
@@ -254,6 +268,7 @@ class Controller:
 
     def _maintain(self) -> None:
         self.index.tick()
+        self._revive_image_servers()
         now = time.monotonic()
         for node, seen in list(self._last_seen.items()):
             if now - seen > self.node_timeout:
@@ -265,6 +280,20 @@ class Controller:
                     now - seen,
                     dropped,
                 )
+
+    def _revive_image_servers(self) -> None:
+        """Start again an image server whose process died; clients that read its old address
+        fall back to the control RPC and ask where the image went."""
+        if self.image is None:
+            return
+        moved = False
+        for name in self._image_handles:
+            server = self._image_servers[name]
+            if isinstance(server, ImageProcessServer) and server.revive():
+                self._counters["image_server_restarts"] += 1
+                moved = True
+        if moved:
+            self.image = self._image_location_now()
 
     def _drop_node(self, node: int) -> int:
         dropped = self.index.remove_node(node)
@@ -436,8 +465,8 @@ class Controller:
         }
         if self.image is not None:
             # The work the image's servers did (in ``serve``, the node's servers: all of it).
-            for name, server in self._image_servers.items():
-                for counter, value in server.stats().items():
+            for name in self._image_handles:
+                for counter, value in self._image_servers[name].stats().items():
                     scopes["controller"][f"image_{name}_{counter}"] = value
         names = {n.id: n.name for n in self.index.nodes()}
         for node, counters in sorted(self._node_stats.items()):

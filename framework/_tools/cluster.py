@@ -36,6 +36,23 @@ from kvfabric.spi.index import IndexConfig, NodeInfo
 __all__ = ["Cluster", "free_port"]
 
 
+def image_server_pids(controller_pid: int) -> list[int]:
+    """The children of ``controller_pid`` that serve its lookup image (Linux ``/proc``)."""
+    try:
+        children = Path(f"/proc/{controller_pid}/task/{controller_pid}/children").read_text()
+    except OSError:
+        return []
+    pids = []
+    for child in children.split():
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue  # gone meanwhile
+        if b"kvfabric._control.image_process" in command:
+            pids.append(int(child))
+    return pids
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -222,6 +239,14 @@ class Cluster:
         node = self.nodes[index]
         assert node is not None
         return node.popen.pid
+
+    def controller_pid(self) -> int:
+        assert self.controller is not None
+        return self.controller.popen.pid
+
+    def image_server_pids(self) -> list[int]:
+        """The controller's child processes that serve its lookup image (``tcp``)."""
+        return image_server_pids(self.controller_pid())
 
     def kill_controller(self) -> None:
         assert self.controller is not None

@@ -24,6 +24,7 @@ import zmq
 from kvfabric._client.shared_index import check_shared
 from kvfabric._control.client import ControlClient
 from kvfabric._control.controller import Controller
+from kvfabric._control.image_process import ImageProcessServer
 from kvfabric._control.remote_index import fetch_stats
 from kvfabric._control.security import Credentials, load_secret
 from kvfabric._node.agent import NodeAgent
@@ -172,7 +173,11 @@ def _transport_failure(exc: TransportError, args: argparse.Namespace, what: str)
 def _image_servers(
     args: argparse.Namespace, credentials: Credentials | None, settings: PluginOptions
 ) -> dict[str, TransportServer]:
-    """The controller's own transport servers for the lookup image (``--transport``)."""
+    """The controller's own transport servers for the lookup image (``--transport``).
+
+    A transport that is not one-sided (``tcp``: its server's CPU serves every read) gets
+    its server in a process of its own, so lookups cost the controller no CPU.
+    """
     plugins = plugin_manager()
     classes = {name: plugins.transport(name) for name in _transport_names(args.transport)}
     config = _transport_config(args, credentials)
@@ -180,7 +185,13 @@ def _image_servers(
     try:
         for name, cls in classes.items():
             configured = attrs.evolve(config, options=settings.claim(cls))
-            servers[name] = cls.create_server(configured)
+            if cls.capabilities.one_sided:
+                servers[name] = cls.create_server(configured)
+            else:
+                # Made and closed here first: a port in use or a TLS setting that cannot
+                # work fails the command now, as for any other server, not in the child.
+                cls.create_server(configured).close()
+                servers[name] = ImageProcessServer(name, configured)
     except TransportError as exc:
         _close_servers(servers)
         raise _transport_failure(exc, args, "the controller") from exc

@@ -29,6 +29,7 @@ class SegmentStatus(enum.IntEnum):
     UNKNOWN_REGION = 1
     BAD_RKEY = 2
     OUT_OF_BOUNDS = 3
+    READ_ONLY = 4
 
     def describe(self) -> str:
         return _STATUS_TEXT[self]
@@ -39,12 +40,14 @@ _STATUS_TEXT = {
     SegmentStatus.UNKNOWN_REGION: "unknown region",
     SegmentStatus.BAD_RKEY: "bad rkey",
     SegmentStatus.OUT_OF_BOUNDS: "out of the region's bounds",
+    SegmentStatus.READ_ONLY: "a write to a read-only region",
 }
 # Module constants: looked up once per segment, where an enum attribute costs more.
 _OK = SegmentStatus.OK
 _UNKNOWN_REGION = SegmentStatus.UNKNOWN_REGION
 _BAD_RKEY = SegmentStatus.BAD_RKEY
 _OUT_OF_BOUNDS = SegmentStatus.OUT_OF_BOUNDS
+_READ_ONLY_REGION = SegmentStatus.READ_ONLY
 
 
 def segment_status(
@@ -239,9 +242,10 @@ class RegionTable:
         self._regions[handle.region] = (handle, memory)
 
     def check(
-        self, region: int, rkey: int, offset: int, length: int
+        self, region: int, rkey: int, offset: int, length: int, *, write: bool = False
     ) -> tuple[SegmentStatus, memoryview | None]:
-        """The segment's status, and the region memory it may touch when accepted."""
+        """The segment's status, and the region memory it may touch when accepted; a
+        ``write`` into memory exposed read-only (a lookup image's server) is refused."""
         entry = self._regions.get(region)
         if entry is None:
             return _UNKNOWN_REGION, None
@@ -249,6 +253,8 @@ class RegionTable:
         status = segment_status(handle, rkey, offset, length)
         if status is not _OK:
             return status, None
+        if write and memory.readonly:
+            return _READ_ONLY_REGION, None
         return status, memory[offset : offset + length]
 
     def check_all(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -27,9 +28,10 @@ from kvfabric._control.client import ControlClient
 from kvfabric._control.remote_index import RemoteIndex
 from kvfabric._wire.protocol import ImageLocation
 from kvfabric.keys import chain_keys
-from kvfabric.spi import ImageGeometry
-from kvfabric.spi.image import IMAGE_BUCKET_SIZE, IMAGE_HEADER_SIZE
+from kvfabric.spi import ImageGeometry, Segment, TransportConfig
+from kvfabric.spi.image import IMAGE_BUCKET_SIZE, IMAGE_HEADER_SIZE, IMAGE_NODE
 from kvfabric.testing import Cluster
+from kvfabric.transports.tcp import TcpTransport
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +122,89 @@ def test_a_lookup_over_tcp_is_one_data_plane_request_and_no_control_rpc(
     assert controller_after["rpcs"] == controller_before["rpcs"]
     served = "image_tcp_requests"
     assert controller_after[served] - controller_before[served] == 1
+
+
+def test_the_tcp_image_is_served_by_a_process_of_its_own_that_refuses_writes(
+    cluster: Cluster,
+) -> None:
+    """The controller's CPU serves no tcp lookup: a child process maps the image read-only
+    and serves it; a write sent to it (a client holding the data-plane secret) is refused
+    segment by segment and changes nothing."""
+    assert len(cluster.image_server_pids()) == 1
+    location = _location(cluster)
+    endpoint = next(e for e in location.endpoints if e.transport == "tcp")
+    handle = endpoint.regions[0]
+    client = TcpTransport.create_client(TransportConfig(timeout=5.0))
+    try:
+        client.connect(endpoint)
+        before = bytearray(IMAGE_HEADER_SIZE)
+        assert client.read(
+            IMAGE_NODE, [Segment(handle.region, handle.rkey, 0, memoryview(before))]
+        ) == [None]
+        errors = client.write(
+            IMAGE_NODE, [Segment(handle.region, handle.rkey, 0, memoryview(bytes(64)))]
+        )
+        assert errors[0] is not None
+        assert "read-only" in str(errors[0])
+        after = bytearray(IMAGE_HEADER_SIZE)
+        assert client.read(
+            IMAGE_NODE, [Segment(handle.region, handle.rkey, 0, memoryview(after))]
+        ) == [None]
+    finally:
+        client.close()
+    assert after == before
+    assert cluster.stats()["controller"]["image_tcp_refused_segments"] >= 1
+
+
+def test_a_killed_image_server_is_started_again_and_clients_find_it() -> None:
+    """kill -9 of the tcp image's process: lookups answer by RPC meanwhile (never wrong),
+    the controller starts another within a tick, and clients find its new address
+    within about a second (they ask where the image went at most once a second)."""
+    with Cluster(nodes=1, transports=("tcp",), capacity="16MiB") as c:
+        with kvfabric.connect(c.url(transport="tcp")) as store:
+            keys = _keys(32)
+            store.batched_put(keys, [_value(k) for k in keys])
+            assert store.batched_contains(keys) == 32
+            (first,) = c.image_server_pids()
+            os.kill(first, signal.SIGKILL)
+            killed = time.monotonic()
+            while time.monotonic() - killed < 10:
+                assert store.batched_contains(keys) == 32  # by RPC until the image is back
+                before = store.stats()
+                assert store.batched_contains(keys) == 32
+                after = store.stats()
+                if after["control_rpcs"] == before["control_rpcs"]:
+                    break
+                time.sleep(0.05)
+            recovered = time.monotonic() - killed
+            assert after["control_rpcs"] == before["control_rpcs"]
+            assert after["onesided_lookups"] - before["onesided_lookups"] == 1
+            assert store.stats()["image_unavailable"] >= 1
+            got = store.batched_get(keys)
+            assert [bytes(v) if v is not None else None for v in got] == [_value(k) for k in keys]
+            assert store.stats()["validation_failures"] == 0
+        (second,) = c.image_server_pids()
+        assert second != first
+        assert c.stats()["controller"]["image_server_restarts"] == 1
+    assert recovered < 5.0
+
+
+def test_the_image_server_exits_with_its_controller_even_on_kill_9() -> None:
+    with Cluster(nodes=1, transports=("tcp",), capacity="16MiB") as c:
+        (server,) = c.image_server_pids()
+        c.kill_controller()
+        deadline = time.monotonic() + 10
+        while _alive(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(server)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_a_torn_bucket_costs_exactly_one_control_rpc_and_is_never_trusted(

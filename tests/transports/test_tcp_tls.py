@@ -214,3 +214,43 @@ def test_a_store_over_tls_with_a_secret_round_trips_between_real_processes(
         # Without TLS the node refuses the client: every get is a miss, never wrong bytes.
         with kvfabric.connect(cluster.url(transport="tcp")) as plain:
             assert plain.batched_get(keys) == [None] * len(keys)
+
+
+@pytest.mark.slow
+def test_a_controller_over_tls_serves_its_lookup_image_over_tls_from_its_image_process(
+    tls_files: TlsFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The image's process gets the controller's transport settings (TLS, the secret): a
+    TLS client looks up one-sided through it, a plain one is refused and asks by RPC."""
+    tls_args = [
+        "--transport-opt",
+        "tcp.tls=true",
+        "--transport-opt",
+        f"tcp.tls_cert={tls_files.cert}",
+        "--transport-opt",
+        f"tcp.tls_key={tls_files.key}",
+    ]
+    keys = chain_keys(list(range(8)), 1, namespace=os.urandom(16))
+    monkeypatch.setenv("KVFABRIC_SECRET", "s3cret")
+    with Cluster(
+        nodes=1,
+        transports=("tcp",),
+        capacity="64MiB",
+        node_args=tls_args,
+        controller_args=["--transport", "tcp", *tls_args],
+        secret=b"s3cret",
+    ) as cluster:
+        assert len(cluster.image_server_pids()) == 1
+        tls = {"tcp.tls": "true", "tcp.tls_ca": str(tls_files.cert)}
+        url = cluster.url(transport="tcp", timeout="30s", **tls)
+        with kvfabric.connect(url) as store:
+            store.batched_put(keys, [os.urandom(1000) for _ in keys])
+            store.batched_contains(keys)  # the mirror catches up with the put
+            before = store.stats()
+            assert store.batched_contains(keys) == len(keys)
+            after = store.stats()
+        assert after["control_rpcs"] == before["control_rpcs"]
+        assert after["onesided_lookups"] - before["onesided_lookups"] == 1
+        with kvfabric.connect(cluster.url(transport="tcp")) as plain:
+            assert plain.batched_contains(keys) == len(keys)  # by RPC
+            assert plain.stats()["onesided_lookups"] == 0

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -36,17 +37,27 @@ import attrs
 
 from kvfabric.errors import TransportError
 from kvfabric.spi import (
+    SERVE_COUNTERS,
     Counters,
     Region,
     RegionHandle,
     RegionTable,
     SegmentStatus,
+    ServeEnd,
     TransportConfig,
     TransportServer,
     byte_view,
+    serve_reads,
 )
 from kvfabric.transports.tcp_gate import GATE_COUNTERS, Gate
-from kvfabric.transports.tcp_stream import VIEWS_PER_CALL, PeerClosed, Stream, Target, wake
+from kvfabric.transports.tcp_stream import (
+    VIEWS_PER_CALL,
+    PeerClosed,
+    Stream,
+    Target,
+    peer_closed,
+    wake,
+)
 from kvfabric.transports.tcp_wire import (
     ENTRY,
     HEADER,
@@ -101,13 +112,24 @@ class ServerLimits:
 class _Conn:
     """One authenticated connection (or a slot reserved for one finishing its handshake)."""
 
-    __slots__ = ("evicted", "idle_since", "stream", "thread")
+    __slots__ = ("_idle", "evicted", "stream", "thread")
 
     def __init__(self) -> None:
         self.stream: Stream | None = None
         self.thread: threading.Thread | None = None
-        self.idle_since: float | None = None
+        # time.monotonic() in ns while the connection waits for a frame, else 0: written by
+        # the native loop too (serve_reads), read by admission to pick an idle victim.
+        self._idle = memoryview(bytearray(8)).cast("q")
         self.evicted = False
+
+    @property
+    def idle_since(self) -> float | None:
+        ns = self._idle[0]
+        return ns / 1e9 if ns else None
+
+    @idle_since.setter
+    def idle_since(self, value: float | None) -> None:
+        self._idle[0] = 0 if value is None else max(1, int(value * 1e9))
 
 
 class _Refused(Exception):
@@ -124,7 +146,11 @@ class TcpServer(TransportServer):
     ) -> None:
         self._limits = limits
         self._regions = RegionTable()
+        # The same regions as the native loop takes them: (id, rkey, memory, size).
+        self._native_regions: list[tuple[int, int, memoryview, int]] = []
         self._counters = Counters(SERVER_COUNTERS)
+        # What the native loop counts, shared by every connection (atomic adds in C).
+        self._native_counts = memoryview(bytearray(8 * len(SERVE_COUNTERS))).cast("Q")
         self._scratch = memoryview(bytearray(_SCRATCH))
         self._lock = threading.Lock()
         self._conns: set[_Conn] = set()
@@ -164,11 +190,21 @@ class TcpServer(TransportServer):
 
     def register(self, region: Region) -> RegionHandle:
         handle = RegionHandle(region=region.id, rkey=region.rkey, size=region.size)
-        self._regions.add(handle, byte_view(region.view))
+        memory = byte_view(region.view)
+        self._regions.add(handle, memory)
+        # A new list, not appended to: a connection's native loop holds the one it started
+        # with (regions are registered before clients learn of them).
+        self._native_regions = [
+            *self._native_regions,
+            (region.id, region.rkey, memory, region.size),
+        ]
         return handle
 
     def stats(self) -> dict[str, int]:
-        return self._counters.snapshot()
+        counts = self._counters.snapshot()
+        for name, value in zip(SERVE_COUNTERS, self._native_counts, strict=True):
+            counts[name] += value
+        return counts
 
     def close(self) -> None:
         with self._lock:
@@ -258,31 +294,71 @@ class TcpServer(TransportServer):
         header = memoryview(bytearray(HEADER.size))
         idle_timeout = self._limits.idle_timeout
         while True:
-            conn.idle_since = now = time.monotonic()
-            try:
-                more = stream.recv_first(header, now + idle_timeout if idle_timeout else None)
-            except TimeoutError:
-                self._counters.add("idle_timeouts")
-                return
-            if not more or conn.evicted:
-                return
-            conn.idle_since = None
-            self._counters.add("frames")
-            # From a frame's first byte, the whole frame and its reply run on one clock.
-            deadline = time.monotonic() + self._limits.frame_timeout
-            stream.recv_exact(header[1:], deadline)
-            magic, version, op, code, count, rid = HEADER.unpack(header)
-            if magic != MAGIC or version != VERSION or code or op not in _SERVED_OPS:
-                raise _Refused(op if op in _SERVED_OPS else 0, Code.BAD_FRAME, "bad_frames")
-            if count > MAX_COUNT:
-                raise _Refused(op, Code.TOO_LARGE, "bad_frames")
-            table = stream.recv_growing(count * ENTRY.size, deadline)
-            if sum(entry[3] for entry in ENTRY.iter_unpack(table)) > MAX_BATCH_BYTES:
-                raise _Refused(op, Code.TOO_LARGE, "bad_frames")
-            if op == Op.READ:
-                self._serve_read(stream, rid, count, table, deadline)
+            if not stream.tls:
+                # Small READs (lookups of the image, most reads of records) are served in C
+                # without the GIL; the loop hands back what else arrives with its header read.
+                if not self._serve_natively(conn, stream, header):
+                    return
+                deadline = time.monotonic() + self._limits.frame_timeout
             else:
-                self._serve_write(stream, rid, count, table, deadline)
+                conn.idle_since = now = time.monotonic()
+                try:
+                    more = stream.recv_first(header, now + idle_timeout if idle_timeout else None)
+                except TimeoutError:
+                    self._counters.add("idle_timeouts")
+                    return
+                if not more or conn.evicted:
+                    return
+                conn.idle_since = None
+                # From a frame's first byte, the whole frame and its reply run on one clock.
+                deadline = time.monotonic() + self._limits.frame_timeout
+                stream.recv_exact(header[1:], deadline)
+            self._counters.add("frames")
+            self._serve_frame(stream, header, deadline)
+
+    def _serve_natively(self, conn: _Conn, stream: Stream, header: memoryview) -> bool:
+        """Run the native loop; True with a frame's header read for Python to serve, False
+        when the connection is done (closed, idle, woken); raises as a frame would."""
+        end, err = serve_reads(
+            stream.sock,
+            self._native_regions,
+            self._native_counts,
+            conn._idle,
+            header,
+            idle_timeout=self._limits.idle_timeout,
+            frame_timeout=self._limits.frame_timeout,
+            max_batch_bytes=MAX_BATCH_BYTES,
+        )
+        if end == ServeEnd.HANDOFF:
+            conn.idle_since = None
+            return not conn.evicted
+        if end == ServeEnd.CLOSED:
+            return False
+        if end == ServeEnd.IDLE:
+            self._counters.add("idle_timeouts")
+            return False
+        if end == ServeEnd.STALLED:
+            raise TimeoutError("a frame stalled")
+        if end == ServeEnd.TRUNCATED:
+            raise peer_closed(0, "in the middle of a frame")
+        if end == ServeEnd.TOO_LARGE:
+            raise _Refused(Op.READ, Code.TOO_LARGE, "bad_frames")
+        raise OSError(err, os.strerror(err))
+
+    def _serve_frame(self, stream: Stream, header: memoryview, deadline: float) -> None:
+        """One frame whose header is read: checked, then served or refused."""
+        magic, version, op, code, count, rid = HEADER.unpack(header)
+        if magic != MAGIC or version != VERSION or code or op not in _SERVED_OPS:
+            raise _Refused(op if op in _SERVED_OPS else 0, Code.BAD_FRAME, "bad_frames")
+        if count > MAX_COUNT:
+            raise _Refused(op, Code.TOO_LARGE, "bad_frames")
+        table = stream.recv_growing(count * ENTRY.size, deadline)
+        if sum(entry[3] for entry in ENTRY.iter_unpack(table)) > MAX_BATCH_BYTES:
+            raise _Refused(op, Code.TOO_LARGE, "bad_frames")
+        if op == Op.READ:
+            self._serve_read(stream, rid, count, table, deadline)
+        else:
+            self._serve_write(stream, rid, count, table, deadline)
 
     def _serve_read(
         self, stream: Stream, rid: int, count: int, table: bytearray, deadline: float

@@ -31,6 +31,16 @@ def send_checksummed(
     deadline: float | None,
     crc_spans: Sequence[tuple[int, int]],
 ) -> list[int]: ...
+def serve_reads(
+    fd: FileDescriptorLike,
+    regions: Sequence[tuple[int, int, ReadableBuffer, int]],
+    counters: WriteableBuffer,
+    idle_since: WriteableBuffer,
+    header: WriteableBuffer,
+    idle_timeout: float,
+    frame_timeout: float,
+    max_batch_bytes: int,
+) -> tuple[int, int]: ...
 def recv_into_all(
     fd: FileDescriptorLike,
     buffers: Sequence[WriteableBuffer],

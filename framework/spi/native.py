@@ -33,6 +33,7 @@ socket open for the length of a call on it.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -51,8 +52,11 @@ __all__ = [
     "GIL_RELEASE_MIN",
     "HARDWARE_CRC32C",
     "IOV_MAX",
+    "SERVE_COUNTERS",
+    "SERVE_MAX_COUNT",
     "Mutex",
     "PeerClosed",
+    "ServeEnd",
     "copy_many",
     "crc32c",
     "crc32c_many",
@@ -63,6 +67,7 @@ __all__ = [
     "request_reply",
     "send_all",
     "send_checksummed",
+    "serve_reads",
     "ucp_post",
     "ucp_wait",
 ]
@@ -188,6 +193,66 @@ def send_checksummed(
     then the CRC): a caller that changes them meanwhile gets a CRC that its reader refuses.
     """
     return _native.send_checksummed(fd, buffers, deadline, crc_spans)
+
+
+SERVE_MAX_COUNT = 256
+"""READ frames of up to this many entries are served by :func:`serve_reads` in C."""
+SERVE_COUNTERS = ("frames", "requests", "segments_read", "bytes_read", "refused_segments")
+"""What :func:`serve_reads` counts, in the order of its ``counters`` buffer."""
+
+
+class ServeEnd(enum.IntEnum):
+    """Why :func:`serve_reads` returned."""
+
+    CLOSED = 0
+    """The peer closed, or the socket was woken (shut down), between frames."""
+    IDLE = 1
+    """No frame began within ``idle_timeout``."""
+    HANDOFF = 2
+    """A frame for the caller (not a READ of at most SERVE_MAX_COUNT entries, or
+    malformed): its header is in ``header``, nothing after it was read."""
+    STALLED = 3
+    """A frame did not complete within ``frame_timeout`` of its first byte."""
+    ERRNO = 4
+    """A socket call failed (the errno comes with it)."""
+    TOO_LARGE = 5
+    """A READ whose entries add up to more than ``max_batch_bytes``: refuse it."""
+    TRUNCATED = 6
+    """The peer closed in the middle of a frame."""
+
+
+def serve_reads(
+    fd: FileDescriptorLike,
+    regions: Sequence[tuple[int, int, ReadableBuffer, int]],
+    counters: WriteableBuffer,
+    idle_since: WriteableBuffer,
+    header: WriteableBuffer,
+    *,
+    idle_timeout: float,
+    frame_timeout: float,
+    max_batch_bytes: int,
+) -> tuple[ServeEnd, int]:
+    """Serve a tcp node's connection in C, READ frame after READ frame, until Python is
+    needed; returns why, and the errno for :attr:`ServeEnd.ERRNO`.
+
+    ``regions``: ``(id, rkey, memory, size)`` each. Each frame's entries are checked as
+    :func:`~kvfabric.spi.segment_status` does, ``counters`` (``len(SERVE_COUNTERS)``
+    8-aligned u64) bumped atomically before the reply, and the reply and the accepted bytes
+    go in one gather. ``idle_since`` (one 8-aligned i64) holds ``time.monotonic()`` in ns
+    while it waits for a frame, 0 within one. The GIL is released for the whole call: a
+    connection's lookups cost the serving process no Python at all.
+    """
+    end, err = _native.serve_reads(
+        fd,
+        regions,
+        counters,
+        idle_since,
+        header,
+        idle_timeout,
+        frame_timeout,
+        max_batch_bytes,
+    )
+    return ServeEnd(end), err
 
 
 def recv_into_all(

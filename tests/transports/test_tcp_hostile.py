@@ -35,7 +35,7 @@ from tcp_raw import (
 from kvfabric._control.security import Credentials
 from kvfabric._node.node import DataNode
 from kvfabric.errors import TransportError
-from kvfabric.spi import NodeEndpoint, Segment
+from kvfabric.spi import SERVE_MAX_COUNT, NodeEndpoint, Segment
 from kvfabric.testing import RegionServer, open_client, round_trip_works, segment_for
 from kvfabric.transports.tcp_auth import GREETING_SIZE, HELLO_SIZE
 from kvfabric.transports.tcp_wire import Code, Op
@@ -285,6 +285,60 @@ def test_a_refused_huge_write_costs_the_node_no_memory() -> None:
         for sock in held:
             sock.close()
         server.close()
+
+
+@pytest.mark.parametrize("count", [SERVE_MAX_COUNT, SERVE_MAX_COUNT + 1])
+def test_a_read_is_served_alike_by_the_native_loop_and_by_python(
+    nodes: Callable[..., DataNode], count: int
+) -> None:
+    """Up to SERVE_MAX_COUNT entries a READ is served in C, past it in Python: the same
+    statuses (accepted, unknown region, bad rkey, out of bounds), bytes and counters."""
+    node = nodes()
+    endpoint = local_endpoint(node)
+    region = endpoint.regions[0]
+    data = os.urandom(4096)
+    client = open_client("tcp", endpoint, token=_KEY)
+    try:
+        assert client.write(1, [segment_for(endpoint, 0, 0, data)]) == [None]
+    finally:
+        client.close()
+    kinds = [
+        (region.region, region.rkey, 100, 50, 0),  # accepted
+        (region.region + 77, region.rkey, 0, 8, 1),  # unknown region
+        (region.region, region.rkey ^ 1, 0, 8, 2),  # bad rkey
+        (region.region, region.rkey, region.size - 4, 8, 3),  # out of bounds
+    ]
+    entries = [kinds[i % 4] for i in range(count)]
+    before = _stats(node)
+    with connect(endpoint, _KEY) as sock:
+        table = b"".join(ENTRY.pack(r, k, o, n) for r, k, o, n, _ in entries)
+        sock.sendall(frame(Op.READ, count, rid=9) + table)
+        reply = recv_exactly(sock, HEADER.size + count)
+        accepted = sum(1 for *_, status in entries if status == 0)
+        payload = recv_exactly(sock, 50 * accepted)
+        assert reply[: HEADER.size] == frame(Op.READ, count, rid=9)
+        assert reply[HEADER.size :] == bytes(status for *_, status in entries)
+        assert payload == data[100:150] * accepted
+    after = _stats(node)
+    assert after["requests"] - before["requests"] == 1
+    assert after["frames"] - before["frames"] == 1
+    assert after["segments_read"] - before["segments_read"] == accepted
+    assert after["bytes_read"] - before["bytes_read"] == 50 * accepted
+    assert after["refused_segments"] - before["refused_segments"] == count - accepted
+
+
+def test_a_small_read_adding_up_to_too_much_is_refused_and_the_node_serves_on(
+    nodes: Callable[..., DataNode],
+) -> None:
+    node = nodes()
+    endpoint = local_endpoint(node)
+    region = endpoint.regions[0]
+    with connect(endpoint, _KEY) as sock:
+        huge = ENTRY.pack(region.region, region.rkey, 0, 1 << 40)
+        sock.sendall(frame(Op.READ, 2) + huge + huge)
+        assert recv_until_closed(sock)[: HEADER.size] == frame(Op.READ, 0, 0, code=Code.TOO_LARGE)
+    assert _stats(node)["bad_frames"] == 1
+    assert round_trip_works("tcp", endpoint, token=_KEY)
 
 
 # -- what the wire shows -----------------------------------------------------------------------

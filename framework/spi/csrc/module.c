@@ -27,6 +27,7 @@
 #include "pythread.h"
 
 #include "crc32c.h"
+#include "serve.h"
 #include "stream.h"
 
 /* Batches below this many bytes keep the GIL: their work (~20-50 us at worst) costs a busy
@@ -794,6 +795,90 @@ done:
     return result;
 }
 
+/* serve_reads: a tcp node's connection served in C until Python is needed (serve.h). */
+static PyObject *py_serve_reads(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"fd",           "regions",       "counters",        "idle_since",
+                             "header",       "idle_timeout",  "frame_timeout",   "max_batch_bytes",
+                             NULL};
+    PyObject *fd_obj, *regions, *counters_obj, *idle_obj, *header_obj;
+    double idle_timeout, frame_timeout;
+    unsigned long long max_batch_bytes;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOddK:serve_reads", kwlist, &fd_obj,
+                                     &regions, &counters_obj, &idle_obj, &header_obj,
+                                     &idle_timeout, &frame_timeout, &max_batch_bytes))
+        return NULL;
+    const char *func = "serve_reads";
+    int fd = PyObject_AsFileDescriptor(fd_obj);
+    if (fd < 0)
+        return NULL;
+    PyObject *fast = PySequence_Fast(regions, "serve_reads: regions must be a sequence");
+    if (!fast)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Views vs = {NULL, 0, 0};
+    kvf_region *table = PyMem_Calloc(n ? (size_t)n : 1, sizeof(kvf_region));
+    PyObject *result = NULL;
+    if (!table) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (views_init(&vs, n + 3) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned int id;
+        unsigned long long rkey, size;
+        PyObject *buffer;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "IKOK", &id, &rkey, &buffer,
+                              &size)) {
+            name_error(func, "region %zd (id, rkey, buffer, size)", i);
+            goto done;
+        }
+        if (get_view_named(&vs, buffer, 0, func, "a region's buffer") < 0)
+            goto done;
+        if ((unsigned long long)vs.v[vs.n - 1].len < size) {
+            PyErr_Format(PyExc_ValueError, "%s: region %u has %zd bytes, not %llu", func, id,
+                         vs.v[vs.n - 1].len, size);
+            goto done;
+        }
+        table[i] = (kvf_region){id, rkey, vs.v[vs.n - 1].buf, size};
+    }
+    if (get_view_named(&vs, counters_obj, 1, func, "counters") < 0 ||
+        get_view_named(&vs, idle_obj, 1, func, "idle_since") < 0 ||
+        get_view_named(&vs, header_obj, 1, func, "header") < 0)
+        goto done;
+    Py_buffer *counters = &vs.v[n], *idle = &vs.v[n + 1], *header = &vs.v[n + 2];
+    if (counters->len < (Py_ssize_t)(KVF_C_N * sizeof(uint64_t)) ||
+        (uintptr_t)counters->buf % 8 || idle->len < 8 || (uintptr_t)idle->buf % 8 ||
+        header->len < KVF_WIRE_HEADER) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: counters (%d u64), idle_since (one i64) must be 8-aligned, the "
+                     "header %d bytes",
+                     func, KVF_C_N, KVF_WIRE_HEADER);
+        goto done;
+    }
+    kvf_serve sv;
+    memset(&sv, 0, sizeof sv);
+    sv.fd = fd;
+    sv.regions = table;
+    sv.nregions = (size_t)n;
+    sv.counters = counters->buf;
+    sv.idle_since = idle->buf;
+    sv.idle_timeout_ns = idle_timeout > 0 ? (int64_t)(idle_timeout * 1e9) : 0;
+    sv.frame_timeout_ns = (int64_t)(frame_timeout * 1e9);
+    sv.max_batch_bytes = max_batch_bytes;
+    PyThreadState *ts;
+    RELEASE_GIL(ts);
+    int rc = kvf_serve_reads(&sv);
+    TAKE_GIL(ts);
+    memcpy(header->buf, sv.header, KVF_WIRE_HEADER);
+    result = Py_BuildValue("(ii)", rc, sv.err);
+done:
+    views_release(&vs);
+    PyMem_Free(table);
+    Py_DECREF(fast);
+    return result;
+}
+
 static PyObject *py_request_reply(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"fd",           "request",   "reply", "payloads", "deadline",
                              "status_offset", "crc_spans", NULL};
@@ -1412,6 +1497,9 @@ static PyMethodDef methods[] = {
      "prefault(buffer, write=True, force_touch=False) -> bool: fault in every page of buffer."},
     {"send_all", (PyCFunction)(void (*)(void))py_send_all, METH_VARARGS | METH_KEYWORDS,
      "send_all(fd, buffers, deadline) -> int: send every buffer in order."},
+    {"serve_reads", (PyCFunction)(void (*)(void))py_serve_reads, METH_VARARGS | METH_KEYWORDS,
+     "serve_reads(fd, regions, counters, idle_since, header, idle_timeout, frame_timeout, "
+     "max_batch_bytes) -> (rc, errno): serve small READ frames until Python is needed."},
     {"send_checksummed", (PyCFunction)(void (*)(void))py_send_checksummed,
      METH_VARARGS | METH_KEYWORDS,
      "send_checksummed(fd, buffers, deadline, crc_spans) -> list[int]: send every buffer in "

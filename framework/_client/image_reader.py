@@ -31,7 +31,7 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -52,7 +52,15 @@ from kvfabric.spi.image import (
 )
 from kvfabric.spi.transport import NodeEndpoint, Segment, TransportClient
 
-__all__ = ["MAX_AGE", "ImageReader", "ImageSlot", "MappedImage", "RemoteImage", "open_image"]
+__all__ = [
+    "MAX_AGE",
+    "ImageReader",
+    "ImageSlot",
+    "MappedImage",
+    "RemoteImage",
+    "could_read",
+    "open_image",
+]
 
 log = logging.getLogger("kvfabric")
 
@@ -323,15 +331,27 @@ def open_image(
         mapped = MappedImage.map(location)
         if mapped is not None:
             return mapped
-    endpoints = {e.transport: e for e in location.endpoints}
-    for name, client in clients.items():
-        endpoint = endpoints.get(name)
-        if name == "shm" or endpoint is None or not client.reachable(endpoint):
-            continue
+    for client, endpoint in _usable_endpoints(location, clients):
         remote = RemoteImage.connect(client, endpoint, location)
         if remote is not None:
             return remote
     return None
+
+
+def could_read(location: ImageLocation, clients: Mapping[str, TransportClient]) -> bool:
+    """Whether the image at ``location`` is served on a transport among ``clients`` that
+    reaches it (mapping aside): one that could not be opened now may be later."""
+    return any(True for _ in _usable_endpoints(location, clients))
+
+
+def _usable_endpoints(
+    location: ImageLocation, clients: Mapping[str, TransportClient]
+) -> Iterator[tuple[TransportClient, NodeEndpoint]]:
+    endpoints = {e.transport: e for e in location.endpoints}
+    for name, client in clients.items():
+        endpoint = endpoints.get(name)
+        if name != "shm" and endpoint is not None and client.reachable(endpoint):
+            yield client, endpoint
 
 
 class ImageSlot:

@@ -20,7 +20,7 @@ import logging
 
 import attrs
 
-from kvfabric._client.image_reader import ImageReader, open_image
+from kvfabric._client.image_reader import ImageReader, could_read, open_image
 from kvfabric._client.record_io import RecordIO
 from kvfabric._client.shared_index import IndexUpkeep, check_shared
 from kvfabric._client.store import Store
@@ -63,7 +63,8 @@ def open_remote(options: RemoteOptions, host: str, port: int, plugins: PluginMan
         location = index.image_location()
         if location is None:
             return None, False
-        return open_image(location, clients, map_locally=map_locally), True
+        reader = open_image(location, clients, map_locally=map_locally)
+        return reader, reader is None and could_read(location, clients)
 
     try:
         store = Store(

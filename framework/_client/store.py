@@ -99,7 +99,7 @@ _RELEARN_INTERVAL = 1.0
 # Lookups answered from the lookup image, counted apart from control RPCs.
 # An image that cannot be read may have moved (its server, in a process of its own,
 # restarted at another address): where it is is asked again, at most once a second, then
-# less often while it stays out of reach (one served on no transport this client has).
+# less often while it stays out of reach.
 _IMAGE_RECHECK_MIN = 1.0
 _IMAGE_RECHECK_MAX = 30.0
 _IMAGE_COUNTERS = (
@@ -149,9 +149,9 @@ class Store:
         """``local_node``, ``local_index``: the data node and the index running in this
         process (embedded mode), if any.
         ``image``: a reader of the index's lookup image; ``locate_image``: asks the
-        controller where its image is (one control RPC; a reader or None, and whether the
-        controller serves one), whenever this client learns the nodes and has no image from
-        this controller yet.
+        controller where its image is (one control RPC; a reader or None, and whether one
+        this client could read failed to open, so is worth asking again later), whenever
+        this client learns the nodes and has no image from this controller yet.
         """
         self.local_node = local_node
         self.local_index = local_index
@@ -691,10 +691,10 @@ class Store:
         located = self._ask(self._locate_image)
         if located is None:
             return  # no answer: asked again the next time the nodes are learned
-        reader, served = located
+        reader, retry = located
         self._image_unlocated = False
         self._image.replace(reader)
-        self._image_unreachable = served and reader is None
+        self._image_unreachable = retry
         if self._image_unreachable:
             # Asked again later, less often each time it stays out of reach.
             self._image_recheck_interval = min(2 * self._image_recheck_interval, _IMAGE_RECHECK_MAX)

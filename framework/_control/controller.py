@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import attrs
 import zmq
 
 from kvfabric._control.image_process import ImageProcessServer
@@ -170,9 +171,12 @@ class Controller:
         if region is None:
             log.info("index %s keeps no lookup image: lookups go by RPC", self.index.name)
             return None
+        # Registered read-only: a server that checks writes against its memory (tcp, in
+        # ``serve`` the node's own) refuses any sent to the image.
+        exposed = attrs.evolve(region, view=region.view.toreadonly())
         for name, server in self._image_servers.items():
             try:
-                self._image_handles[name] = server.register(region)
+                self._image_handles[name] = server.register(exposed)
             except KvfabricError as exc:
                 log.warning("the %s transport cannot serve the lookup image: %s", name, exc)
         self._image_region = region

@@ -18,7 +18,10 @@ from kvfabric import PutOutcome, Store
 from kvfabric._control.client import ControlClient
 from kvfabric._control.remote_index import RemoteIndex
 from kvfabric.keys import chain_keys
-from kvfabric.testing import Cluster, wait_until_stopped
+from kvfabric.spi import Segment, TransportConfig
+from kvfabric.spi.image import IMAGE_NODE
+from kvfabric.testing import Cluster, free_port, wait_until_stopped
+from kvfabric.transports.tcp import TcpTransport
 
 
 def _keys(n: int) -> list[bytes]:
@@ -187,8 +190,6 @@ def test_a_shared_secret_admits_clients_that_know_it_and_only_them(
 
 
 def test_serve_runs_controller_and_node_in_one_process() -> None:
-    from kvfabric.testing import free_port
-
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -215,6 +216,42 @@ def test_serve_runs_controller_and_node_in_one_process() -> None:
             store.batched_put(keys, values)
             assert store.batched_contains(keys) == 5
             assert _as_bytes(store.batched_get(keys)) == values
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
+
+
+def test_serve_lends_its_node_servers_to_the_image_read_only() -> None:
+    """In ``serve`` the node's tcp server serves the lookup image in-process: a write sent
+    to the image (a client holding the data-plane secret, none here) is refused."""
+    port = free_port()
+    command = ["serve", "--listen", f"tcp://127.0.0.1:{port}", "--capacity", "64MiB"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvfabric._tools.cli", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert "lookup image over" in proc.stdout.readline()
+        control = ControlClient(f"tcp://127.0.0.1:{port}", timeout=5.0)
+        try:
+            location = RemoteIndex(control).image_location()
+        finally:
+            control.close()
+        assert location is not None
+        endpoint = next(e for e in location.endpoints if e.transport == "tcp")
+        handle = endpoint.regions[0]
+        client = TcpTransport.create_client(TransportConfig(timeout=5.0))
+        try:
+            client.connect(endpoint)
+            seg = Segment(handle.region, handle.rkey, 0, memoryview(bytes(64)))
+            (error,) = client.write(IMAGE_NODE, [seg])
+        finally:
+            client.close()
+        assert error is not None
+        assert "read-only" in str(error)
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0

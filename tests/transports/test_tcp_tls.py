@@ -187,11 +187,9 @@ def test_tls_options_are_checked_when_given(tmp_path: Path) -> None:
         TcpTransport.create_server(TransportConfig(options={"tls": "true"}))
 
 
-@pytest.mark.slow
-def test_a_store_over_tls_with_a_secret_round_trips_between_real_processes(
-    tls_files: TlsFiles, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    node_args = [
+def _tls_server_args(tls_files: TlsFiles) -> list[str]:
+    """What a node or controller is given on its command line to serve tcp over TLS."""
+    return [
         "--transport-opt",
         "tcp.tls=true",
         "--transport-opt",
@@ -199,6 +197,13 @@ def test_a_store_over_tls_with_a_secret_round_trips_between_real_processes(
         "--transport-opt",
         f"tcp.tls_key={tls_files.key}",
     ]
+
+
+@pytest.mark.slow
+def test_a_store_over_tls_with_a_secret_round_trips_between_real_processes(
+    tls_files: TlsFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node_args = _tls_server_args(tls_files)
     keys = chain_keys(list(range(8)), 1, namespace=os.urandom(16))
     values = [os.urandom(100_000) for _ in keys]
     monkeypatch.setenv("KVFABRIC_SECRET", "s3cret")
@@ -222,14 +227,7 @@ def test_a_controller_over_tls_serves_its_lookup_image_over_tls_from_its_image_p
 ) -> None:
     """The image's process gets the controller's transport settings (TLS, the secret): a
     TLS client looks up one-sided through it, a plain one is refused and asks by RPC."""
-    tls_args = [
-        "--transport-opt",
-        "tcp.tls=true",
-        "--transport-opt",
-        f"tcp.tls_cert={tls_files.cert}",
-        "--transport-opt",
-        f"tcp.tls_key={tls_files.key}",
-    ]
+    tls_args = _tls_server_args(tls_files)
     keys = chain_keys(list(range(8)), 1, namespace=os.urandom(16))
     monkeypatch.setenv("KVFABRIC_SECRET", "s3cret")
     with Cluster(

@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ import pytest
 from adapter_deployment import LOOKUP_RPCS, Deployment, deployment
 
 import kvfabric
+from kvfabric._client.image_reader import MAX_AGE
 from kvfabric.testing import Cluster, corrupt_payload
 
 if not os.environ.get("KVFABRIC_REQUIRE_VLLM"):  # tox -e vllm sets it: fail, never skip
@@ -387,8 +389,25 @@ def test_dead_controller_makes_lookups_miss_and_b_recomputes(
     kvfabric_deployment: Deployment,
 ) -> None:
     kvfabric_deployment.kill_index()  # the controller, or every Redis server
+    killed_at = time.monotonic()
     out = engines["B"].generate(SHARED, reset_prefix_cache=True, timeout=60)
     print(f"B, controller dead: counters {out['counters']}")
+    scheduler, worker = out["counters"]["scheduler"], out["counters"]["worker"]
+    # The scheduler maps the controller's lookup image, which it trusts while the image's
+    # heartbeat is younger than MAX_AGE: a lookup that soon after the kill may still hit.
+    # Every such hit then fails to load (the worker asks the dead controller where the
+    # records are) and is reported invalid, so B recomputes it: never a wrong value.
+    hits = scheduler["lookup_hit_blocks"]
+    assert worker.get("loaded_blocks", 0) == 0
+    assert worker.get("load_errors", 0) == hits
+    assert scheduler.get("invalid_blocks_reported", 0) == hits
+    if not hits:
+        assert out["num_cached_tokens"] == 0
+    assert_same_output(a_outputs["shared"], out)
+    # Past MAX_AGE the image is not trusted: every lookup misses.
+    time.sleep(max(0.0, killed_at + MAX_AGE + 0.5 - time.monotonic()))
+    out = engines["B"].generate(SHARED, reset_prefix_cache=True, timeout=60)
+    print(f"B, controller dead for over {MAX_AGE} s: counters {out['counters']}")
     assert out["num_cached_tokens"] == 0
     assert out["counters"]["scheduler"]["lookup_hit_blocks"] == 0
     assert_same_output(a_outputs["shared"], out)

@@ -134,6 +134,18 @@ def max_logprob_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     return max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True))
 
 
+def assert_hits_failed_and_recomputed(out: dict[str, Any]) -> None:
+    """Every block the lookup hit failed to load and was reported invalid (B recomputed it:
+    the caller checks the output)."""
+    scheduler, worker = out["counters"]["scheduler"], out["counters"]["worker"]
+    hits = scheduler["lookup_hit_blocks"]
+    assert worker.get("loaded_blocks", 0) == 0
+    assert worker.get("load_errors", 0) == hits
+    assert scheduler.get("invalid_blocks_reported", 0) == hits
+    if not hits:
+        assert out["num_cached_tokens"] == 0
+
+
 def assert_same_output(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert b["finish_reason"] == "length"
     assert b["tokens"] == a["tokens"]
@@ -378,8 +390,7 @@ def test_dead_data_node_makes_loads_fail_or_miss_and_b_recomputes(
     print(f"B, data node dead: {hits} blocks hit, {errors} load errors")
     # The controller still lists the node's entries until it times the node out: then
     # every hit fails to load; afterwards the lookup misses. Either way B recomputes.
-    assert errors == hits
-    assert worker.get("loaded_blocks", 0) == 0
+    assert_hits_failed_and_recomputed(out)
     assert_same_output(a_outputs["shared"], out)
 
 
@@ -392,17 +403,11 @@ def test_dead_controller_makes_lookups_miss_and_b_recomputes(
     killed_at = time.monotonic()
     out = engines["B"].generate(SHARED, reset_prefix_cache=True, timeout=60)
     print(f"B, controller dead: counters {out['counters']}")
-    scheduler, worker = out["counters"]["scheduler"], out["counters"]["worker"]
     # The scheduler maps the controller's lookup image, which it trusts while the image's
     # heartbeat is younger than MAX_AGE: a lookup that soon after the kill may still hit.
     # Every such hit then fails to load (the worker asks the dead controller where the
     # records are) and is reported invalid, so B recomputes it: never a wrong value.
-    hits = scheduler["lookup_hit_blocks"]
-    assert worker.get("loaded_blocks", 0) == 0
-    assert worker.get("load_errors", 0) == hits
-    assert scheduler.get("invalid_blocks_reported", 0) == hits
-    if not hits:
-        assert out["num_cached_tokens"] == 0
+    assert_hits_failed_and_recomputed(out)
     assert_same_output(a_outputs["shared"], out)
     # Past MAX_AGE the image is not trusted: every lookup misses.
     time.sleep(max(0.0, killed_at + MAX_AGE + 0.5 - time.monotonic()))

@@ -20,6 +20,7 @@ Threats and what each setting defends against: docs/security.md.
 
 from __future__ import annotations
 
+from kvfabric.errors import ConfigError
 from kvfabric.spi import (
     Capabilities,
     MemoryKind,
@@ -38,6 +39,16 @@ from kvfabric.transports.tcp_server import ServerLimits, TcpServer
 from kvfabric.transports.tcp_tls import ca_file, client_context, pem_file, server_context
 
 __all__ = ["TcpTransport"]
+
+# A spin is a latency trade: past a millisecond it only burns a CPU.
+_MAX_BUSY_POLL = 1e-3
+
+
+def _parse_busy_poll(text: str | float) -> float:
+    seconds = parse_duration(text)
+    if seconds > _MAX_BUSY_POLL:
+        raise ConfigError(f"tcp.busy_poll is at most 1ms, not {text!r} (0 turns it off)")
+    return seconds
 
 
 class TcpTransport(Transport):
@@ -75,6 +86,13 @@ class TcpTransport(Transport):
             parse=parse_duration,
             default=30.0,
             help="a frame and its reply, from the frame's first byte, must complete within this",
+        ),
+        OptionSpec(
+            name="busy_poll",
+            parse=_parse_busy_poll,
+            default=50e-6,
+            help="spin this long for a reply (client) or the next frame (node) before sleeping"
+            " (0: off); waking a sleeping thread costs more than a small round trip",
         ),
         OptionSpec(
             name="tls",
@@ -116,6 +134,7 @@ class TcpTransport(Transport):
             handshake_timeout=float(options["handshake_timeout"]),
             idle_timeout=float(options["idle_timeout"]),
             frame_timeout=float(options["frame_timeout"]),
+            busy_poll=float(options["busy_poll"]),
         )
         tls = server_context(options["tls_cert"], options["tls_key"]) if options["tls"] else None
         return TcpServer(config, limits, tls)
@@ -124,7 +143,7 @@ class TcpTransport(Transport):
     def create_client(cls, config: TransportConfig) -> TransportClient:
         options = cls.parse_options(config.options)
         tls = client_context(options["tls_ca"]) if options["tls"] else None
-        return TcpClient(config, int(options["pool"]), tls)
+        return TcpClient(config, int(options["pool"]), tls, float(options["busy_poll"]))
 
 
 @hookimpl

@@ -35,6 +35,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import attrs
+
 from kvfabric.errors import ProtocolError, TransportError
 from kvfabric.spi import (
     SOCKET_ERRORS,
@@ -92,6 +94,15 @@ def _parse_address(address: bytes) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+@attrs.frozen(kw_only=True)
+class _Link:
+    """How this client's connections are made: the secret, TLS, the reply spin."""
+
+    key: bytes
+    tls: ssl.SSLContext | None
+    busy_poll: float
+
+
 class _Connection:
     """One authenticated stream to a node; used by one call at a time (the pool hands it out)."""
 
@@ -102,16 +113,14 @@ class _Connection:
         self._next_id = 1
 
     @classmethod
-    def open(
-        cls, address: tuple[str, int], key: bytes, tls: ssl.SSLContext | None, deadline: float
-    ) -> _Connection:
+    def open(cls, address: tuple[str, int], link: _Link, deadline: float) -> _Connection:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("deadline passed before connecting")
         sock = socket.create_connection(address, timeout=remaining)
         try:
             _tune(sock)
-            stream = _handshake(sock, address[0], key, tls, deadline)
+            stream = _handshake(sock, address[0], link, deadline)
         except BaseException:
             sock.close()
             raise
@@ -169,11 +178,10 @@ class _Connection:
         self.stream.close()
 
 
-def _handshake(
-    sock: socket.socket, host: str, key: bytes, tls: ssl.SSLContext | None, deadline: float
-) -> Stream:
+def _handshake(sock: socket.socket, host: str, link: _Link, deadline: float) -> Stream:
     """Run the client's side of the handshake on a fresh connection; the stream to use."""
-    stream = Stream(sock)
+    key, tls = link.key, link.tls
+    stream = Stream(sock, link.busy_poll)
     greeting = memoryview(bytearray(HEADER.size + GREETING_SIZE))
     stream.recv_exact(greeting, deadline)
     _check_reply(greeting, Op.GREETING, 0, GREETING_SIZE)
@@ -216,10 +224,9 @@ def _check_reply(buf: bytearray | memoryview, op: Op, rid: int, count: int) -> N
 class _Peer:
     """A node's address and its idle connections (the client's state per node)."""
 
-    def __init__(self, raw: bytes, pool_size: int, key: bytes, tls: ssl.SSLContext | None) -> None:
+    def __init__(self, raw: bytes, pool_size: int, link: _Link) -> None:
         self.address = _parse_address(raw)
-        self.key = key
-        self.tls = tls
+        self.link = link
         self._pool_size = pool_size
         self._idle: list[_Connection] = []
         self._lock = threading.Lock()
@@ -248,7 +255,7 @@ class _Peer:
         self.drop_idle()
 
     def open(self, deadline: float) -> _Connection:
-        return _Connection.open(self.address, self.key, self.tls, deadline)
+        return _Connection.open(self.address, self.link, deadline)
 
 
 class TcpClient(PeerClient[_Peer]):
@@ -260,16 +267,18 @@ class TcpClient(PeerClient[_Peer]):
     # pass over the payloads of its own for the CRCs: 64 x 4 MiB took 20 ms of it).
     streams_trailers = True
 
-    def __init__(self, config: TransportConfig, pool: int, tls: ssl.SSLContext | None) -> None:
+    def __init__(
+        self, config: TransportConfig, pool: int, tls: ssl.SSLContext | None, busy_poll: float
+    ) -> None:
         super().__init__(config)
         self._pool_size = pool
-        self._tls = tls
+        self._link = _Link(key=config.token, tls=tls, busy_poll=busy_poll)
 
     def describe(self, endpoint: NodeEndpoint) -> str:
         return f"tcp: node {endpoint.node} at {endpoint.address.decode(errors='replace')}"
 
     def open_peer(self, endpoint: NodeEndpoint) -> _Peer:
-        return _Peer(endpoint.address, self._pool_size, self.config.token, self._tls)
+        return _Peer(endpoint.address, self._pool_size, self._link)
 
     def close_peer(self, peer: _Peer) -> None:
         peer.close()

@@ -112,6 +112,8 @@ class ServerLimits:
     idle_timeout: float
     """0: none."""
     frame_timeout: float
+    busy_poll: float
+    """Seconds the native loop spins for a connection's next frame before sleeping."""
 
 
 class _Conn:
@@ -333,6 +335,7 @@ class TcpServer(TransportServer):
             idle_timeout=self._limits.idle_timeout,
             frame_timeout=self._limits.frame_timeout,
             max_batch_bytes=MAX_BATCH_BYTES,
+            busy_poll=self._limits.busy_poll,
         )
         if end == ServeEnd.HANDOFF:
             conn.idle_since = None

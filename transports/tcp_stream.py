@@ -91,12 +91,14 @@ def peer_closed(received: int, what: str) -> PeerClosed:
 class Stream:
     """One connected socket, made non-blocking; used by one thread at a time."""
 
-    __slots__ = ("sock",)
+    __slots__ = ("busy_poll", "sock")
     tls: ClassVar[bool] = False
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, busy_poll: float = 0.0) -> None:
         sock.setblocking(False)
         self.sock = sock
+        # Seconds request_reply spins for a reply before sleeping (plain tcp only).
+        self.busy_poll = busy_poll
 
     def close(self) -> None:
         self.sock.close()
@@ -202,6 +204,7 @@ class Stream:
             deadline,
             status_offset=status_offset,
             crc_spans=crc_spans,
+            busy_poll=self.busy_poll,
         )
 
 

@@ -72,7 +72,7 @@ TRANSPORTS: dict[str, tuple[str, dict[str, str]]] = {
     "ucx": ("ucx", {"UCX_TLS": "sm"}),
 }
 LOOKUP_KEYS = (16, 64, 1024)
-_LOOKUP_SAMPLES = 50
+_LOOKUP_SAMPLES = 300
 # The lookup chain's values: a lookup's cost does not depend on them, only the count.
 _SMALL_VALUE = 4096
 # The fill's batches: large, so filling takes few round trips whatever sizes are measured.

@@ -40,6 +40,7 @@ def serve_reads(
     idle_timeout: float,
     frame_timeout: float,
     max_batch_bytes: int,
+    busy_poll: float = 0.0,
 ) -> tuple[int, int]: ...
 def recv_into_all(
     fd: FileDescriptorLike,
@@ -55,6 +56,7 @@ def request_reply(
     deadline: float | None,
     status_offset: int = 0,
     crc_spans: Sequence[tuple[int, int]] | None = None,
+    busy_poll: float = 0.0,
 ) -> list[int]: ...
 def gil_reacquisitions() -> int: ...
 

@@ -231,6 +231,7 @@ def serve_reads(
     idle_timeout: float,
     frame_timeout: float,
     max_batch_bytes: int,
+    busy_poll: float = 0.0,
 ) -> tuple[ServeEnd, int]:
     """Serve a tcp node's connection in C, READ frame after READ frame, until Python is
     needed; returns why, and the errno for :attr:`ServeEnd.ERRNO`.
@@ -240,7 +241,8 @@ def serve_reads(
     8-aligned u64) bumped atomically before the reply, and the reply and the accepted bytes
     go in one gather. ``idle_since`` (one 8-aligned i64) holds ``time.monotonic()`` in ns
     while it waits for a frame, 0 within one. The GIL is released for the whole call: a
-    connection's lookups cost the serving process no Python at all.
+    connection's lookups cost the serving process no Python at all. ``busy_poll``: after
+    each frame, spin this long for the next before sleeping (as :func:`request_reply`).
     """
     end, err = _native.serve_reads(
         fd,
@@ -251,6 +253,7 @@ def serve_reads(
         idle_timeout,
         frame_timeout,
         max_batch_bytes,
+        busy_poll,
     )
     return ServeEnd(end), err
 
@@ -281,6 +284,7 @@ def request_reply(
     *,
     status_offset: int = 0,
     crc_spans: Spans | None = None,
+    busy_poll: float = 0.0,
 ) -> list[int]:
     """One request and its reply in one GIL release: send, fill ``reply``, then the payloads.
 
@@ -292,8 +296,15 @@ def request_reply(
     ``reply`` and closes raises :class:`PeerClosed` with ``received`` bytes of ``reply``
     filled, so the caller can read an error reply shorter than a full one. Every check of
     the arguments comes before the first byte is sent.
+
+    ``busy_poll`` (seconds, at most 1): while the reply has not begun to arrive, retry the
+    receive this long before sleeping in ``poll()``, the GIL released. Waking a sleeping
+    thread costs more than a small reply's whole round trip over loopback on an idle host;
+    a spin costs at most ``busy_poll`` of one CPU per call.
     """
-    return _native.request_reply(fd, request, reply, payloads, deadline, status_offset, crc_spans)
+    return _native.request_reply(
+        fd, request, reply, payloads, deadline, status_offset, crc_spans, busy_poll
+    )
 
 
 def gil_reacquisitions() -> int:

@@ -34,7 +34,7 @@ from tcp_raw import (
 
 from kvfabric._control.security import Credentials
 from kvfabric._node.node import DataNode
-from kvfabric.errors import TransportError
+from kvfabric.errors import ConfigError, TransportError
 from kvfabric.spi import SERVE_MAX_COUNT, NodeEndpoint, Segment
 from kvfabric.testing import RegionServer, open_client, round_trip_works, segment_for
 from kvfabric.transports.tcp_auth import GREETING_SIZE, HELLO_SIZE
@@ -130,10 +130,13 @@ def test_a_frame_that_keeps_trickling_in_is_dropped_at_the_frame_deadline(
     print(f"\nthe node dropped the trickling frame after {sent} of {len(request)} bytes")
 
 
+@pytest.mark.parametrize("busy_poll", ["0", "1ms"])
 def test_an_idle_connection_is_closed_and_the_pooled_client_reconnects_without_a_failure(
-    nodes: Callable[..., DataNode],
+    nodes: Callable[..., DataNode], busy_poll: str
 ) -> None:
-    node = nodes(idle_timeout="300ms")
+    """Also with the node spinning for each next frame (tcp.busy_poll): the spin never
+    outlasts the idle deadline's wait."""
+    node = nodes(idle_timeout="300ms", busy_poll=busy_poll)
     endpoint = local_endpoint(node)
     client = open_client("tcp", endpoint, token=_KEY)
     try:
@@ -438,3 +441,8 @@ def test_a_client_refuses_a_node_that_cannot_prove_it_holds_the_secret(
         thread.join(PATIENT)
         listener.close()
     assert received == [b""]  # the client hung up without sending a frame
+
+
+def test_a_busy_poll_over_a_millisecond_is_refused_at_start() -> None:
+    with pytest.raises(ConfigError, match=r"tcp\.busy_poll is at most 1ms"):
+        local_node(_KEY, busy_poll="5ms")

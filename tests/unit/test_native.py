@@ -666,6 +666,56 @@ def test_request_reply_refuses_a_reply_without_a_status_byte_per_payload() -> No
             right.recv(1)
 
 
+@pytest.mark.parametrize("reply_after", [0.0, 0.2], ids=["within-the-spin", "after-it"])
+def test_request_reply_with_busy_poll_takes_the_reply_whether_it_comes_within_the_spin_or_after(
+    tcp_pair: tuple[socket.socket, socket.socket], reply_after: float
+) -> None:
+    client, server = tcp_pair
+    payloads = [os.urandom(4096) for _ in range(8)]
+
+    def late() -> None:
+        time.sleep(reply_after)
+        _serve_once(server, bytes(8), payloads)
+
+    join = _in_thread(late)
+    targets = [bytearray(4096) for _ in range(8)]
+    before = native.gil_reacquisitions()
+    native.request_reply(
+        client,
+        [_HEAD.pack(b"KVFT", 8), bytes(8)],
+        bytearray(_HEAD.size + 8),
+        targets,
+        time.monotonic() + 30,
+        status_offset=_HEAD.size,
+        busy_poll=0.001,
+    )
+    join()
+    assert targets == [bytearray(p) for p in payloads]
+    # The spin runs without the GIL: one return for the wait, however it ended.
+    assert native.gil_reacquisitions() - before == 1
+
+
+def test_request_reply_with_busy_poll_still_times_out_at_the_deadline(
+    tcp_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    client, _ = tcp_pair
+    with pytest.raises(TimeoutError, match="receiving"):
+        native.request_reply(
+            client, [b"ask!"], bytearray(8), [], time.monotonic() + 0.05, busy_poll=1.0
+        )
+
+
+@pytest.mark.parametrize("busy_poll", [-0.001, 1.5, float("nan")])
+def test_request_reply_refuses_a_busy_poll_outside_0_to_1_second(busy_poll: float) -> None:
+    left, right = socket.socketpair()
+    with left, right:
+        with pytest.raises(ValueError, match="busy_poll must be 0 to 1 seconds"):
+            native.request_reply(left, [b"x"], bytearray(1), [], None, busy_poll=busy_poll)
+        right.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            right.recv(1)  # nothing was sent
+
+
 # -- the GIL ------------------------------------------------------------------------------
 
 

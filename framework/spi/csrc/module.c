@@ -523,6 +523,16 @@ static int parse_deadline(PyObject *obj, int64_t *out) {
     return 0;
 }
 
+/* A busy_poll argument: seconds to spin before sleeping on a socket, at most one. */
+static int parse_busy_poll(double seconds, int64_t *out, const char *func) {
+    if (!(seconds >= 0 && seconds <= 1)) {
+        PyErr_Format(PyExc_ValueError, "%s: busy_poll must be 0 to 1 seconds", func);
+        return -1;
+    }
+    *out = (int64_t)(seconds * 1e9);
+    return 0;
+}
+
 /* The iovecs of a run of views. */
 static struct iovec *iovecs_of(const Py_buffer *v, Py_ssize_t n) {
     struct iovec *iov = PyMem_Calloc(n ? (size_t)n : 1, sizeof(struct iovec));
@@ -799,17 +809,18 @@ done:
 static PyObject *py_serve_reads(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"fd",           "regions",       "counters",        "idle_since",
                              "header",       "idle_timeout",  "frame_timeout",   "max_batch_bytes",
-                             NULL};
+                             "busy_poll",    NULL};
     PyObject *fd_obj, *regions, *counters_obj, *idle_obj, *header_obj;
-    double idle_timeout, frame_timeout;
+    double idle_timeout, frame_timeout, busy_poll = 0;
     unsigned long long max_batch_bytes;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOddK:serve_reads", kwlist, &fd_obj,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOddK|d:serve_reads", kwlist, &fd_obj,
                                      &regions, &counters_obj, &idle_obj, &header_obj,
-                                     &idle_timeout, &frame_timeout, &max_batch_bytes))
+                                     &idle_timeout, &frame_timeout, &max_batch_bytes, &busy_poll))
         return NULL;
     const char *func = "serve_reads";
+    int64_t spin_ns;
     int fd = PyObject_AsFileDescriptor(fd_obj);
-    if (fd < 0)
+    if (fd < 0 || parse_busy_poll(busy_poll, &spin_ns, func) < 0)
         return NULL;
     PyObject *fast = PySequence_Fast(regions, "serve_reads: regions must be a sequence");
     if (!fast)
@@ -866,6 +877,7 @@ static PyObject *py_serve_reads(PyObject *self, PyObject *args, PyObject *kwargs
     sv.idle_timeout_ns = idle_timeout > 0 ? (int64_t)(idle_timeout * 1e9) : 0;
     sv.frame_timeout_ns = (int64_t)(frame_timeout * 1e9);
     sv.max_batch_bytes = max_batch_bytes;
+    sv.spin_ns = spin_ns;
     PyThreadState *ts;
     RELEASE_GIL(ts);
     int rc = kvf_serve_reads(&sv);
@@ -880,17 +892,20 @@ done:
 }
 
 static PyObject *py_request_reply(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"fd",           "request",   "reply", "payloads", "deadline",
-                             "status_offset", "crc_spans", NULL};
+    static char *kwlist[] = {"fd",           "request",   "reply",     "payloads", "deadline",
+                             "status_offset", "crc_spans", "busy_poll", NULL};
     PyObject *fd_obj, *send, *reply, *payloads, *deadline_obj, *spans = Py_None;
     Py_ssize_t status_offset = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO|nO:request_reply", kwlist, &fd_obj, &send,
-                                     &reply, &payloads, &deadline_obj, &status_offset, &spans))
+    double busy_poll = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO|nOd:request_reply", kwlist, &fd_obj,
+                                     &send, &reply, &payloads, &deadline_obj, &status_offset,
+                                     &spans, &busy_poll))
         return NULL;
     const char *func = "request_reply";
-    int64_t deadline;
+    int64_t deadline, spin_ns;
     int fd = PyObject_AsFileDescriptor(fd_obj);
-    if (fd < 0 || parse_deadline(deadline_obj, &deadline) < 0)
+    if (fd < 0 || parse_deadline(deadline_obj, &deadline) < 0 ||
+        parse_busy_poll(busy_poll, &spin_ns, func) < 0)
         return NULL;
     PyObject *send_fast = PySequence_Fast(send, "request_reply: request must be a sequence");
     if (!send_fast)
@@ -952,6 +967,8 @@ static PyObject *py_request_reply(PyObject *self, PyObject *args, PyObject *kwar
     sent = s.moved;
     if (rc == KVF_DONE) {
         stream_init(&s, fd, 0, reply_iov, 1, deadline, scratch, nscratch);
+        /* Only the reply's header is worth a spin: it is what a small call waits for. */
+        s.spin_ns = spin_ns;
         rc = run_stream(&s, &g);
         received = s.moved;
     }
@@ -1508,8 +1525,8 @@ static PyMethodDef methods[] = {
      METH_VARARGS | METH_KEYWORDS,
      "recv_into_all(fd, buffers, deadline, crc_spans=None) -> list[int]: fill every buffer."},
     {"request_reply", (PyCFunction)(void (*)(void))py_request_reply, METH_VARARGS | METH_KEYWORDS,
-     "request_reply(fd, request, reply, payloads, deadline, status_offset=0, crc_spans=None) -> "
-     "list[int]: send, receive the reply, then the payloads it accepts."},
+     "request_reply(fd, request, reply, payloads, deadline, status_offset=0, crc_spans=None, "
+     "busy_poll=0.0) -> list[int]: send, receive the reply, then the payloads it accepts."},
     {"ucp_post", (PyCFunction)(void (*)(void))py_ucp_post, METH_VARARGS | METH_KEYWORDS,
      "ucp_post(rma, flush, ep, param, buffers, remote, put) -> (status, requests): post a "
      "batch of libucp gets or puts (and a flush after puts), keeping the GIL."},

@@ -33,7 +33,7 @@ static void add(kvf_serve *s, int counter, uint64_t n) {
 /* Move `count` buffers one way by the deadline; a signal only restarts the wait (this runs
    on a server thread, where Python's handlers never run). */
 static int move(kvf_serve *s, int sending, struct iovec *bufs, size_t count, int64_t deadline,
-                struct iovec *scratch, size_t scratch_len) {
+                struct iovec *scratch, size_t scratch_len, int64_t spin_ns) {
     kvf_stream st;
     memset(&st, 0, sizeof st);
     st.fd = s->fd;
@@ -43,6 +43,7 @@ static int move(kvf_serve *s, int sending, struct iovec *bufs, size_t count, int
     st.deadline_ns = deadline;
     st.iov = scratch;
     st.iov_max = scratch_len;
+    st.spin_ns = spin_ns;
     for (;;) {
         int rc = kvf_stream_run(&st);
         if (rc == KVF_INTERRUPTED)
@@ -81,7 +82,7 @@ int kvf_serve_reads(kvf_serve *s) {
         __atomic_store_n(s->idle_since, now, __ATOMIC_RELAXED);
         struct iovec first = {h, 1};
         int rc = move(s, 0, &first, 1, s->idle_timeout_ns ? now + s->idle_timeout_ns : -1,
-                      scratch, scratch_len);
+                      scratch, scratch_len, s->spin_ns);
         if (rc == KVF_CLOSED)
             return KVF_SERVE_CLOSED;
         if (rc == KVF_TIMEOUT)
@@ -92,7 +93,7 @@ int kvf_serve_reads(kvf_serve *s) {
         /* From a frame's first byte, the whole frame and its reply run on one clock. */
         int64_t deadline = kvf_now_ns() + s->frame_timeout_ns;
         struct iovec rest = {h + 1, KVF_WIRE_HEADER - 1};
-        rc = move(s, 0, &rest, 1, deadline, scratch, scratch_len);
+        rc = move(s, 0, &rest, 1, deadline, scratch, scratch_len, 0);
         if (rc != KVF_DONE)
             return failed(rc);
         uint8_t version = h[4], op = h[5];
@@ -103,7 +104,7 @@ int kvf_serve_reads(kvf_serve *s) {
             return KVF_SERVE_HANDOFF; /* Python serves it, or refuses it */
         add(s, KVF_C_FRAMES, 1);
         struct iovec tab = {table, (size_t)count * KVF_WIRE_ENTRY};
-        rc = move(s, 0, &tab, 1, deadline, scratch, scratch_len);
+        rc = move(s, 0, &tab, 1, deadline, scratch, scratch_len, 0);
         if (rc != KVF_DONE)
             return failed(rc);
         uint64_t total = 0, nbytes = 0;
@@ -144,7 +145,7 @@ int kvf_serve_reads(kvf_serve *s) {
         reply[6] = reply[7] = 0;           /* code OK */
         bufs[0].iov_base = reply;
         bufs[0].iov_len = KVF_WIRE_HEADER + count;
-        rc = move(s, 1, bufs, nbufs, deadline, scratch, scratch_len);
+        rc = move(s, 1, bufs, nbufs, deadline, scratch, scratch_len, 0);
         if (rc != KVF_DONE)
             return failed(rc);
     }

@@ -48,6 +48,7 @@ typedef struct {
     int64_t idle_timeout_ns; /* 0: none */
     int64_t frame_timeout_ns;
     uint64_t max_batch_bytes;
+    int64_t spin_ns;          /* between frames, spin this long before sleeping (busy_poll) */
     unsigned char header[KVF_WIRE_HEADER]; /* a handed-off frame's header */
     int err;
 } kvf_serve;

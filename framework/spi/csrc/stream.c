@@ -69,6 +69,28 @@ static int wait_ready(kvf_stream *s) {
     return KVF_DONE;
 }
 
+/* Whether to retry at once rather than sleep in poll(): within spin_ns of the first
+   would-wait. On an idle host a sleeping thread's wake-up costs more than a small reply's
+   whole round trip over loopback (~40 us of a ~65 us one here); a bounded spin keeps that
+   off the short calls and costs a long one at most spin_ns of one CPU. */
+static int spinning(kvf_stream *s) {
+    if (s->spin_ns <= 0)
+        return 0;
+    int64_t now = kvf_now_ns();
+    if (!s->spin_until) {
+        s->spin_until = now + s->spin_ns;
+        /* A spin never outlasts the deadline: the wait after it reports the timeout. */
+        if (s->deadline_ns >= 0 && s->deadline_ns < s->spin_until)
+            s->spin_until = s->deadline_ns;
+    }
+    if (now >= s->spin_until)
+        return 0;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+    return 1;
+}
+
 int kvf_stream_run(kvf_stream *s) {
     for (;;) {
         while (s->index < s->count && s->bufs[s->index].iov_len == s->offset) {
@@ -115,6 +137,8 @@ int kvf_stream_run(kvf_stream *s) {
         }
         if (s->no_wait)
             return KVF_WOULD_WAIT;
+        if (spinning(s))
+            continue;
         int rc = wait_ready(s);
         if (rc != KVF_DONE)
             return rc;

@@ -31,6 +31,7 @@ typedef struct {
     uint32_t *crcs;         /* the running CRC of each span */
     size_t window;          /* at most this many bytes per system call (0: no limit) */
     int no_wait;            /* return KVF_WOULD_WAIT instead of waiting */
+    int64_t spin_ns;        /* before the first wait, retry this long without sleeping */
     int64_t deadline_ns;    /* CLOCK_MONOTONIC; negative: none */
     struct iovec *iov;      /* scratch of iov_max entries (caller-owned) */
     size_t iov_max;
@@ -38,6 +39,7 @@ typedef struct {
     size_t index;  /* first buffer not yet complete */
     size_t offset; /* bytes of bufs[index] already moved */
     uint64_t moved;
+    int64_t spin_until; /* 0: the spin has not started */
     int err;
 } kvf_stream;
 

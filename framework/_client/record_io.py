@@ -3,7 +3,8 @@
 It owns everything between "these descriptors" and "these values": routing (which transport
 reaches which node, :mod:`~kvfabric._client.routes`), framing (a record is a header segment
 and one segment per payload piece, written once here for reads and writes alike), landing
-(nodes in parallel, one transport call per node) and validation (magic, key, version,
+(nodes in parallel, one transport call per node, or a few at once for a large write to a
+transport with ``write_lanes``) and validation (magic, key, version,
 length, CRC32C). It never talks to the index: the store learns membership and hands it over
 with :meth:`RecordIO.set_nodes`.
 
@@ -42,6 +43,11 @@ __all__ = ["ReadReport", "RecordIO", "WriteReport", "value_pieces"]
 
 log = logging.getLogger("kvfabric")
 T = TypeVar("T")
+K = TypeVar("K")
+
+LANE_MIN_BYTES = 8 << 20
+"""A node's write below this goes as one call whatever the transport's ``write_lanes``: a
+second thread's hand-off costs more than it saves on a small batch."""
 
 
 @attrs.frozen(kw_only=True)
@@ -181,7 +187,8 @@ class RecordIO:
         """Checksum and write each record (the value's pieces, then its header) into its slot.
 
         Nodes are written in parallel (one node's checksums overlap another's transfer), one
-        transport call per node; the CRC is of the caller's buffers, taken while they are
+        transport call per node, or ``write_lanes`` calls at once for a node's write of at
+        least ``LANE_MIN_BYTES``; the CRC is of the caller's buffers, taken while they are
         copied where the transport can (``shm``), else in one native call right before.
         """
         crcs: list[int | None] = [None] * len(descriptors)
@@ -190,24 +197,30 @@ class RecordIO:
             per_node.setdefault(d.node, []).append(i)
         if not per_node:
             return WriteReport(crcs=crcs, failed_nodes=0)
+        per_lane: dict[tuple[int, int], list[int]] = {}
+        for node, indices in per_node.items():
+            lanes = self._routes.client_for(node).write_lanes
+            for lane, part in enumerate(_split_by_bytes(indices, descriptors, lanes)):
+                per_lane[node, lane] = part
 
         def job(node: int, indices: list[int]) -> list[int | None]:
             items = [(descriptors[i], values[i]) for i in indices]
             return self._write_node(node, items)
 
         outcomes = self._per_node(
-            {n: functools.partial(job, n, idx) for n, idx in per_node.items()}
+            {key: functools.partial(job, key[0], idx) for key, idx in per_lane.items()}
         )
-        failed_nodes = 0
-        for node, indices in per_node.items():
-            outcome = outcomes[node]
+        failed: set[int] = set()
+        for key, indices in per_lane.items():
+            node, outcome = key[0], outcomes[key]
             if isinstance(outcome, BaseException):
-                log.warning("kvfabric: write to node %d failed (%s): not stored", node, outcome)
-                failed_nodes += 1
+                if node not in failed:
+                    log.warning("kvfabric: write to node %d failed (%s): not stored", node, outcome)
+                failed.add(node)
                 continue
             for i, crc in zip(indices, outcome, strict=True):
                 crcs[i] = crc
-        return WriteReport(crcs=crcs, failed_nodes=failed_nodes)
+        return WriteReport(crcs=crcs, failed_nodes=len(failed))
 
     # -- raw slot access (tools and tests) -----------------------------------------------
 
@@ -250,19 +263,26 @@ class RecordIO:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _per_node(self, jobs: Mapping[int, Callable[[], T]]) -> dict[int, T | BaseException]:
-        """Run one job per node, concurrently when there are several; errors are returned.
+    def _per_node(self, jobs: Mapping[K, Callable[[], T]]) -> dict[K, T | BaseException]:
+        """Run one job per node (or per lane of a node's write), concurrently when there
+        are several; errors are returned.
 
         A batch for a single node runs inline, so the common case adds no thread hand-off.
+        ``jobs`` is not empty.
         """
-        if len(jobs) <= 1:
-            return {node: _call(job) for node, job in jobs.items()}
+        (first_key, first_job), *rest = jobs.items()
+        if not rest:
+            return {first_key: _call(first_job)}
         with self._lock:
             if self._io_pool is None:
                 self._io_pool = ThreadPoolExecutor(8, thread_name_prefix="kvfabric-io")
             pool = self._io_pool
-        futures = {node: pool.submit(_call, job) for node, job in jobs.items()}
-        return {node: future.result() for node, future in futures.items()}
+        futures = {key: pool.submit(_call, job) for key, job in rest}
+        # The calling thread runs one job itself rather than only waiting: one hand-off
+        # fewer, and its own GIL returns are those of one job.
+        outcomes = {first_key: _call(first_job)}
+        outcomes.update((key, future.result()) for key, future in futures.items())
+        return outcomes
 
     def _read_node(self, node: int, items: list[_Read]) -> int:
         """Land one node's records and validate them; returns payload bytes landed.
@@ -326,6 +346,25 @@ class RecordIO:
             crc if heads[i] is None and all(e is None for e in errors[start:stop]) else None
             for i, ((start, stop), crc) in enumerate(zip(spans, crcs, strict=True))
         ]
+
+
+def _split_by_bytes(
+    indices: list[int], descriptors: Sequence[Descriptor], lanes: int
+) -> list[list[int]]:
+    """``indices`` in at most ``lanes`` runs, in order, of about equal payload bytes."""
+    total = sum(descriptors[i].length for i in indices)
+    if lanes <= 1 or len(indices) < 2 or total < LANE_MIN_BYTES:
+        return [indices]
+    lanes = min(lanes, len(indices))
+    runs: list[list[int]] = [[]]
+    done = 0
+    for i in indices:
+        # Start the next run once this one holds its share (never leaving a run empty).
+        if runs[-1] and len(runs) < lanes and done >= total * len(runs) / lanes:
+            runs.append([])
+        runs[-1].append(i)
+        done += descriptors[i].length
+    return runs
 
 
 # -- framing -------------------------------------------------------------------------------

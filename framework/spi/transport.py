@@ -149,6 +149,12 @@ class TransportClient(abc.ABC):
     Transports subclass :class:`~kvfabric.spi.PeerClient`, which implements all of this.
     """
 
+    write_lanes: ClassVar[int] = 1
+    """How many calls a large write to one node is split into, run at once (records'
+    payloads and headers stay together: each call writes whole records). ``tcp`` uses 2:
+    one connection's sender is the bottleneck of a loopback or single-stream transfer while
+    the node's receiver has slack, and two connections use both."""
+
     @abc.abstractmethod
     def connect(self, endpoint: NodeEndpoint) -> None:
         """Prepare to talk to a node (idempotent; called again when a node re-registers)."""

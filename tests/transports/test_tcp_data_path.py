@@ -24,6 +24,7 @@ from tcp_raw import ENTRY, HEADER, PATIENT, Answer, ScriptedNode, frame
 
 import kvfabric
 from kvfabric import Store, chain_keys
+from kvfabric._client.record_io import LANE_MIN_BYTES
 from kvfabric.errors import TransportError, TransportTimeoutError
 from kvfabric.spi import (
     NodeEndpoint,
@@ -159,20 +160,48 @@ def test_a_busy_python_thread_beside_a_large_read_keeps_running_and_costs_one_re
     assert dests == [bytearray(b) for b in blobs]
 
 
-def test_a_store_puts_with_two_returns_and_gets_with_one_over_tcp() -> None:
-    """Through an embedded store (index in this process): a put's CRCs and its frame, a
-    get's frame (the records' headers and payloads with each payload's CRC)."""
+def test_a_store_puts_in_two_lanes_of_two_returns_and_gets_with_one_over_tcp() -> None:
+    """Through an embedded store (index in this process): a large put goes as two frames
+    at once (``write_lanes``), each its CRCs and its frame, the calling thread running one;
+    a get is one frame (the records' headers and payloads with each payload's CRC)."""
     name = f"tcp-data-path-{uuid.uuid4().hex[:8]}"
     values = [np.random.default_rng(i).integers(0, 256, _SIZE, dtype=np.uint8) for i in range(16)]
     keys = chain_keys(list(range(16)), 1, namespace=uuid.uuid4().bytes)
     url = f"embedded://{name}?capacity=160MiB&transport=tcp&timeout=60s"
     with kvfabric.connect(url) as store:
-        _warm(store)
+        # Warm both lanes' connections: a put of the same shape under other keys.
+        other = chain_keys(list(range(16)), 1, namespace=uuid.uuid4().bytes)
+        assert {o.value for o in store.batched_put(other, values)} == {"stored"}
+        assert store.local_node is not None
+        server = store.local_node.servers["tcp"]
+        frames = server.stats()["frames"]
         outcomes, put_returns, _ = _returns(lambda: store.batched_put(keys, values))
+        put_frames, frames = server.stats()["frames"] - frames, server.stats()["frames"]
         assert {o.value for o in outcomes} == {"stored"}
         dests = [np.ones(_SIZE, dtype=np.uint8) for _ in values]
         got, get_returns, _ = _returns(lambda: store.batched_get(keys, into=dests))
+        get_frames = server.stats()["frames"] - frames
     assert (put_returns, get_returns) == (2, 1)
+    assert (put_frames, get_frames) == (2, 1)
+    assert all(np.array_equal(g, v) for g, v in zip(got, values, strict=True))
+
+
+def test_a_put_below_the_lane_minimum_is_one_frame_over_tcp() -> None:
+    name = f"tcp-data-path-{uuid.uuid4().hex[:8]}"
+    count = 16
+    size = LANE_MIN_BYTES // count - 4096  # the whole put just under the minimum
+    values = [np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8) for i in range(count)]
+    keys = chain_keys(list(range(count)), 1, namespace=uuid.uuid4().bytes)
+    with kvfabric.connect(f"embedded://{name}?capacity=64MiB&transport=tcp&timeout=60s") as store:
+        _warm(store)
+        assert store.local_node is not None
+        server = store.local_node.servers["tcp"]
+        frames = server.stats()["frames"]
+        outcomes, put_returns, _ = _returns(lambda: store.batched_put(keys, values))
+        assert server.stats()["frames"] - frames == 1
+        assert {o.value for o in outcomes} == {"stored"}
+        assert put_returns == 2
+        got = store.batched_get(keys)
     assert all(np.array_equal(g, v) for g, v in zip(got, values, strict=True))
 
 

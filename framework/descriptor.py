@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import struct
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
 
 import attrs
 import numpy as np
@@ -11,7 +12,7 @@ import numpy as np
 from kvfabric.errors import ProtocolError
 from kvfabric.keys import KEY_SIZE
 
-__all__ = ["DESCRIPTOR_DTYPE", "DESCRIPTOR_SIZE", "Descriptor"]
+__all__ = ["DESCRIPTOR_DTYPE", "DESCRIPTOR_SIZE", "Descriptor", "PackedDescriptors"]
 
 _U32_MAX = (1 << 32) - 1
 _U64_MAX = (1 << 64) - 1
@@ -131,3 +132,47 @@ def _unchecked(
     _set(d, "crc", crc)
     _set(d, "_wire", bytes(wire))
     return d
+
+
+class PackedDescriptors(Sequence[Descriptor]):
+    """Descriptors kept in their wire forms, back to back, each decoded when it is asked
+    for: a lookup reply of 1,024 keys decoded whole cost ~1.5 ms of the client's Python,
+    while a lookup needs only their count and the prefetch cache keeps the wire forms
+    (a read decodes the few it takes)."""
+
+    __slots__ = ("_count", "wires")
+
+    def __init__(self, wires: bytes) -> None:
+        if len(wires) % DESCRIPTOR_SIZE:
+            raise ProtocolError(f"descriptors come in {DESCRIPTOR_SIZE}-byte units")
+        self.wires = wires
+        self._count = len(wires) // DESCRIPTOR_SIZE
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> Descriptor: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Descriptor]: ...
+    def __getitem__(self, index: int | slice) -> Descriptor | list[Descriptor]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._count))]
+        if index < 0:
+            index += self._count
+        if not 0 <= index < self._count:
+            raise IndexError("descriptor index out of range")
+        return Descriptor.from_bytes(self.wires, index * DESCRIPTOR_SIZE)
+
+    def __iter__(self) -> Iterator[Descriptor]:
+        return iter(Descriptor.many_from_bytes(self.wires))
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to any sequence of the same descriptors, in order (a list included)."""
+        if isinstance(other, PackedDescriptors):
+            return self.wires == other.wires
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]

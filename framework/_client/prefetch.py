@@ -144,11 +144,13 @@ class PrefetchCache:
             )
         )
 
-    def remember_wires(self, keys: Sequence[bytes], wires: bytes) -> None:
+    def remember_wires(
+        self, keys: Sequence[bytes], wires: bytes, alternates: Alternates | None = None
+    ) -> None:
         """The same for descriptors given as wire forms, one per key in order."""
         if self.max_entries == 0 or not keys:
             return
-        self._add(_Batch(keys, self._clock() + self.ttl, wires=wires))
+        self._add(_Batch(keys, self._clock() + self.ttl, wires=wires, alternates=alternates))
 
     def take(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
         """The cached descriptor of each key (``None`` if absent or expired)."""

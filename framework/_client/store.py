@@ -51,7 +51,7 @@ from kvfabric._client.prefetch import PrefetchCache
 from kvfabric._client.record_io import RecordIO, value_pieces
 from kvfabric._client.touches import TouchReporter
 from kvfabric._node.node import DataNode
-from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
+from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor, PackedDescriptors
 from kvfabric.errors import (
     ControllerUnavailableError,
     InvalidKeyError,
@@ -210,7 +210,7 @@ class Store:
         copies = self._ask(self._index.lookup_copies, keys)
         if copies is None:
             return 0
-        found = self._remember(copies)
+        found = self._remember(keys, copies)
         self._counters.update(lookups=1, prefix_hits=found)
         self._observe(keys, found)
         return found
@@ -259,7 +259,7 @@ class Store:
         if stop == ImageStop.UNUSABLE:
             self._recheck_image()
         copies = self._ask(self._index.lookup_copies, keys[hits:])
-        total = hits + (self._remember(copies) if copies is not None else 0)
+        total = hits + (self._remember(keys[hits:], copies) if copies is not None else 0)
         self._counters.update(
             lookups=1,
             prefix_hits=total,
@@ -270,11 +270,19 @@ class Store:
         self._observe(keys, total)
         return total
 
-    def _remember(self, copies: Copies) -> int:
-        """Keep a lookup's leading run of hits (and their other copies); how many."""
-        found = [d for d in copies.descriptors if d is not None]
-        self._prefetch.remember(found, copies.alternates)
-        return len(found)
+    def _remember(self, keys: Sequence[bytes], copies: Copies) -> int:
+        """Keep a lookup's leading run of hits on ``keys`` (and their other copies); how
+        many."""
+        descriptors = copies.descriptors
+        if isinstance(descriptors, PackedDescriptors):
+            # Kept in wire form, as a lookup from the image keeps them: a read decodes
+            # what it takes, and the cache checks each one's key against the key asked.
+            found = min(len(descriptors), len(keys))
+            self._prefetch.remember_wires(keys[:found], descriptors.wires, copies.alternates)
+            return found
+        hits = [d for d in descriptors if d is not None]
+        self._prefetch.remember(hits, copies.alternates)
+        return len(hits)
 
     def _exists_from_image(self, image: ImageReader, keys: Sequence[bytes]) -> list[bool]:
         try:

@@ -46,8 +46,9 @@ import struct
 from collections.abc import Sequence
 
 import attrs
+import numpy as np
 
-from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
+from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor, PackedDescriptors
 from kvfabric.errors import ProtocolError
 from kvfabric.keys import KEY_SIZE
 from kvfabric.spi.codec import Reader, Writer
@@ -62,6 +63,9 @@ from kvfabric.spi.index import (
     NodeInfo,
 )
 from kvfabric.spi.transport import NodeEndpoint
+
+_KEY_DTYPE = np.dtype(f"V{KEY_SIZE}")
+"""A key as numpy sees raw bytes: ``tolist()`` gives ``bytes`` (``S`` would strip NULs)."""
 
 __all__ = [
     "HEADER",
@@ -177,12 +181,14 @@ def write_keys(keys: Sequence[bytes]) -> bytes:
 
 def read_keys(r: Reader) -> list[bytes]:
     n = r.count(KEY_SIZE, MAX_BATCH)
-    raw = r.raw(n * KEY_SIZE)
-    return [raw[i * KEY_SIZE : (i + 1) * KEY_SIZE] for i in range(n)]
+    # numpy splits the run into bytes objects in C: 16 us for 1,024 keys, where slicing
+    # in Python took 100 (on the controller's thread, in every lookup by RPC).
+    keys: list[bytes] = np.frombuffer(r.raw(n * KEY_SIZE), dtype=_KEY_DTYPE).tolist()
+    return keys
 
 
 def write_descriptors(descriptors: Sequence[Descriptor]) -> bytes:
-    return struct.pack("<I", len(descriptors)) + b"".join(d.to_bytes() for d in descriptors)
+    return struct.pack("<I", len(descriptors)) + b"".join(map(Descriptor.to_bytes, descriptors))
 
 
 def write_descriptor_bytes(count: int, raw: bytes) -> bytes:
@@ -239,14 +245,20 @@ def write_copies(copies: Copies, *, optional: bool) -> bytes:
 
 
 def read_copies(r: Reader, *, optional: bool) -> Copies:
-    """What :func:`write_copies` wrote (the reader then ends at the frame's end)."""
-    descriptors = read_optional_descriptors(r) if optional else read_descriptors(r)
+    """What :func:`write_copies` wrote (the reader then ends at the frame's end). A leading
+    run (not ``optional``) stays in wire form until used (:class:`PackedDescriptors`)."""
+    descriptors: Sequence[Descriptor | None]
+    if optional:
+        descriptors = read_optional_descriptors(r)
+    else:
+        n = r.count(DESCRIPTOR_SIZE, MAX_BATCH)
+        descriptors = PackedDescriptors(r.raw(n * DESCRIPTOR_SIZE))
     if not r.remaining:
         return Copies(descriptors=descriptors)
     alternates: dict[int, tuple[Descriptor, ...]] = {}
     for _ in range(r.count(5, MAX_BATCH)):
         position, n = r.u32(), r.u8()
-        if position >= len(descriptors) or descriptors[position] is None:
+        if position >= len(descriptors) or (optional and descriptors[position] is None):
             raise ProtocolError(f"alternates for position {position}, which holds no copy")
         alternates[position] = tuple(Descriptor.many_from_bytes(r.raw(n * DESCRIPTOR_SIZE)))
     return Copies(descriptors=descriptors, alternates=alternates)

@@ -607,6 +607,21 @@ def _serve_once(sock: socket.socket, statuses: bytes, payloads: list[bytes]) -> 
     native.send_all(sock, [_HEAD.pack(b"KVFT", len(statuses)), statuses, *accepted], None)
 
 
+def _ask_for_all(client: socket.socket, targets: list[bytearray], busy_poll: float = 0.0) -> None:
+    """A request for ``len(targets)`` payloads from a peer running :func:`_serve_once` with
+    every status 0: each lands in its target."""
+    count = len(targets)
+    native.request_reply(
+        client,
+        [_HEAD.pack(b"KVFT", count), bytes(count)],
+        bytearray(_HEAD.size + count),
+        targets,
+        time.monotonic() + 30,
+        status_offset=_HEAD.size,
+        busy_poll=busy_poll,
+    )
+
+
 def test_request_reply_fills_only_the_payloads_the_reply_accepts(
     tcp_pair: tuple[socket.socket, socket.socket],
 ) -> None:
@@ -680,15 +695,7 @@ def test_request_reply_with_busy_poll_takes_the_reply_whether_it_comes_within_th
     join = _in_thread(late)
     targets = [bytearray(4096) for _ in range(8)]
     before = native.gil_reacquisitions()
-    native.request_reply(
-        client,
-        [_HEAD.pack(b"KVFT", 8), bytes(8)],
-        bytearray(_HEAD.size + 8),
-        targets,
-        time.monotonic() + 30,
-        status_offset=_HEAD.size,
-        busy_poll=0.001,
-    )
+    _ask_for_all(client, targets, busy_poll=0.001)
     join()
     assert targets == [bytearray(p) for p in payloads]
     # The spin runs without the GIL: one return for the wait, however it ended.
@@ -784,14 +791,7 @@ def test_a_request_reply_takes_the_gil_back_once(
     join = _in_thread(lambda: _serve_once(server, bytes(300), payloads))
     targets = [bytearray(100_000) for _ in range(300)]
     before = native.gil_reacquisitions()
-    native.request_reply(
-        client,
-        [_HEAD.pack(b"KVFT", 300), bytes(300)],
-        bytearray(_HEAD.size + 300),
-        targets,
-        time.monotonic() + 30,
-        status_offset=_HEAD.size,
-    )
+    _ask_for_all(client, targets)
     assert native.gil_reacquisitions() - before == 1
     join()
     assert targets == [bytearray(p) for p in payloads]

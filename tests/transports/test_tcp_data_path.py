@@ -107,7 +107,7 @@ def test_a_64_by_4mib_write_and_checksummed_read_take_the_gil_back_once_each(
     assert crcs == crc32c_many(blobs)  # taken as the bytes landed: no second pass
 
 
-def test_a_checksummed_write_takes_the_gil_back_twice_and_stores_the_trailer_last(
+def test_a_checksummed_write_takes_the_gil_back_at_most_twice_and_stores_the_trailer_last(
     big_server: RegionServer, client: TransportClient, blobs: list[bytes]
 ) -> None:
     """One frame holding payloads and trailer, in two native calls: the payloads, each
@@ -124,7 +124,9 @@ def test_a_checksummed_write_takes_the_gil_back_twice_and_stores_the_trailer_las
     (errors, crcs), returns, _ = _returns(
         lambda: client.write_checksummed(1, writes, spans, trailer)
     )
-    assert returns == 2
+    # The payloads' call always waits (it releases the GIL up front); the trailer's is
+    # small and takes the GIL back only if the reply had not come when it first looked.
+    assert returns in (1, 2)
     assert errors == [None] * (_COUNT + 1)
     assert crcs == crc32c_many(blobs)
     stored = bytearray(4 * _COUNT)
@@ -160,7 +162,7 @@ def test_a_busy_python_thread_beside_a_large_read_keeps_running_and_costs_one_re
     assert dests == [bytearray(b) for b in blobs]
 
 
-def test_a_store_puts_in_two_lanes_of_two_returns_and_gets_with_one_over_tcp() -> None:
+def test_a_store_puts_in_two_lanes_of_at_most_two_returns_and_gets_with_one_over_tcp() -> None:
     """Through an embedded store (index in this process): a large put goes as two frames
     at once (``write_lanes``), each its CRCs and its frame, the calling thread running one;
     a get is one frame (the records' headers and payloads with each payload's CRC)."""
@@ -181,7 +183,9 @@ def test_a_store_puts_in_two_lanes_of_two_returns_and_gets_with_one_over_tcp() -
         dests = [np.ones(_SIZE, dtype=np.uint8) for _ in values]
         got, get_returns, _ = _returns(lambda: store.batched_get(keys, into=dests))
         get_frames = server.stats()["frames"] - frames
-    assert (put_returns, get_returns) == (2, 1)
+    # The caller's lane: its payloads' call, and its trailer's if it had to wait for the reply.
+    assert put_returns in (1, 2)
+    assert get_returns == 1
     assert (put_frames, get_frames) == (2, 1)
     assert all(np.array_equal(g, v) for g, v in zip(got, values, strict=True))
 
@@ -200,7 +204,7 @@ def test_a_put_below_the_lane_minimum_is_one_frame_over_tcp() -> None:
         outcomes, put_returns, _ = _returns(lambda: store.batched_put(keys, values))
         assert server.stats()["frames"] - frames == 1
         assert {o.value for o in outcomes} == {"stored"}
-        assert put_returns == 2
+        assert put_returns in (1, 2)  # the trailer's call may find its reply there
         got = store.batched_get(keys)
     assert all(np.array_equal(g, v) for g, v in zip(got, values, strict=True))
 

@@ -664,14 +664,18 @@ static void stream_init(kvf_stream *s, int fd, int sending, struct iovec *bufs, 
     s->iov_max = scratch_len;
 }
 
-/* send_all, and send_checksummed (`spans` not NULL): returns the bytes sent, or the CRCs. */
-static PyObject *send_buffers(PyObject *fd_obj, PyObject *buffers, PyObject *deadline_obj,
-                              PyObject *spans, const char *func) {
+/* send_all, send_checksummed (`spans` not NULL) and recv_into_all (`sending` 0): every
+   buffer one way in one GIL release; returns the bytes sent by send_all, else the CRCs of
+   the spans (taken window by window as the bytes move, while they are in cache). */
+static PyObject *move_buffers(PyObject *fd_obj, PyObject *buffers, PyObject *deadline_obj,
+                              PyObject *spans, int sending, const char *func) {
     int64_t deadline;
     int fd = PyObject_AsFileDescriptor(fd_obj);
     if (fd < 0 || parse_deadline(deadline_obj, &deadline) < 0)
         return NULL;
-    PyObject *fast = PySequence_Fast(buffers, "buffers must be a sequence");
+    char not_a_sequence[80];
+    snprintf(not_a_sequence, sizeof not_a_sequence, "%s: buffers must be a sequence", func);
+    PyObject *fast = PySequence_Fast(buffers, not_a_sequence);
     if (!fast)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -692,7 +696,7 @@ static PyObject *send_buffers(PyObject *fd_obj, PyObject *buffers, PyObject *dea
         PyErr_NoMemory();
         goto done;
     }
-    if (views_init(&vs, n) < 0 || get_views(&vs, fast, 0, func, "buffer") < 0)
+    if (views_init(&vs, n) < 0 || get_views(&vs, fast, !sending, func, "buffer") < 0)
         goto done;
     bufs = iovecs_of(vs.v, n);
     scratch = PyMem_Calloc(scratch_entries(n), sizeof(struct iovec));
@@ -701,21 +705,24 @@ static PyObject *send_buffers(PyObject *fd_obj, PyObject *buffers, PyObject *dea
         goto done;
     }
     kvf_stream s;
-    stream_init(&s, fd, 1, bufs, (size_t)n, deadline, scratch, scratch_entries(n));
+    stream_init(&s, fd, sending, bufs, (size_t)n, deadline, scratch, scratch_entries(n));
     if (nspans) {
-        /* Each window is checksummed right after the kernel copied it out: the CRC reads
-           the bytes from cache instead of making a pass of its own over memory. */
+        /* Each window is checksummed right after the kernel copied it: the CRC reads the
+           bytes from cache instead of making a pass of its own over memory. */
         s.span_of = span_of;
         s.crcs = crcs;
-        s.window = SEND_CRC_WINDOW;
+        s.window = sending ? SEND_CRC_WINDOW : RECV_CRC_WINDOW;
     }
     Gil g = {NULL, total_len(vs.v, n) < GIL_RELEASE_MIN};
     int rc = run_stream(&s, &g);
     gil_end(&g);
     if (rc != KVF_DONE)
-        result = stream_error(func, rc, &s, s.moved, 0);
+        result = sending ? stream_error(func, rc, &s, s.moved, 0)
+                         : stream_error(func, rc, &s, 0, s.moved);
+    else if (sending && !spans)
+        result = PyLong_FromUnsignedLongLong(s.moved);
     else
-        result = spans ? crc_list(crcs, nspans) : PyLong_FromUnsignedLongLong(s.moved);
+        result = crc_list(crcs, nspans);
 done:
     views_release(&vs);
     PyMem_Free(bufs);
@@ -732,7 +739,7 @@ static PyObject *py_send_all(PyObject *self, PyObject *args, PyObject *kwargs) {
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO:send_all", kwlist, &fd_obj, &buffers,
                                      &deadline_obj))
         return NULL;
-    return send_buffers(fd_obj, buffers, deadline_obj, NULL, "send_all");
+    return move_buffers(fd_obj, buffers, deadline_obj, NULL, 1, "send_all");
 }
 
 static PyObject *py_send_checksummed(PyObject *self, PyObject *args, PyObject *kwargs) {
@@ -741,7 +748,7 @@ static PyObject *py_send_checksummed(PyObject *self, PyObject *args, PyObject *k
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO:send_checksummed", kwlist, &fd_obj,
                                      &buffers, &deadline_obj, &spans))
         return NULL;
-    return send_buffers(fd_obj, buffers, deadline_obj, spans, "send_checksummed");
+    return move_buffers(fd_obj, buffers, deadline_obj, spans, 1, "send_checksummed");
 }
 
 static PyObject *py_recv_into_all(PyObject *self, PyObject *args, PyObject *kwargs) {
@@ -750,59 +757,7 @@ static PyObject *py_recv_into_all(PyObject *self, PyObject *args, PyObject *kwar
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|O:recv_into_all", kwlist, &fd_obj,
                                      &buffers, &deadline_obj, &spans))
         return NULL;
-    const char *func = "recv_into_all";
-    int64_t deadline;
-    int fd = PyObject_AsFileDescriptor(fd_obj);
-    if (fd < 0 || parse_deadline(deadline_obj, &deadline) < 0)
-        return NULL;
-    PyObject *fast = PySequence_Fast(buffers, "recv_into_all: buffers must be a sequence");
-    if (!fast)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    Views vs = {NULL, 0, 0};
-    struct iovec *bufs = NULL, *scratch = NULL;
-    int32_t *span_of = PyMem_Calloc(n ? (size_t)n : 1, sizeof(int32_t));
-    uint32_t *crcs = NULL;
-    PyObject *result = NULL;
-    if (!span_of) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_ssize_t nspans = parse_spans(spans, n, span_of, func);
-    if (nspans < 0)
-        goto done;
-    crcs = PyMem_Calloc(nspans ? (size_t)nspans : 1, sizeof(uint32_t));
-    if (!crcs) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    if (views_init(&vs, n) < 0 || get_views(&vs, fast, 1, func, "buffer") < 0)
-        goto done;
-    bufs = iovecs_of(vs.v, n);
-    scratch = PyMem_Calloc(scratch_entries(n), sizeof(struct iovec));
-    if (!bufs || !scratch) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    kvf_stream s;
-    stream_init(&s, fd, 0, bufs, (size_t)n, deadline, scratch, scratch_entries(n));
-    if (nspans) {
-        s.span_of = span_of;
-        s.crcs = crcs;
-        s.window = RECV_CRC_WINDOW;
-    }
-    Gil g = {NULL, total_len(vs.v, n) < GIL_RELEASE_MIN};
-    int rc = run_stream(&s, &g);
-    gil_end(&g);
-    result = rc == KVF_DONE ? crc_list(crcs, nspans) : stream_error(func, rc, &s, 0, s.moved);
-done:
-    views_release(&vs);
-    PyMem_Free(bufs);
-    PyMem_Free(scratch);
-    PyMem_Free(span_of);
-    PyMem_Free(crcs);
-    Py_DECREF(fast);
-    return result;
+    return move_buffers(fd_obj, buffers, deadline_obj, spans, 0, "recv_into_all");
 }
 
 /* serve_reads: a tcp node's connection served in C until Python is needed (serve.h). */

@@ -27,7 +27,7 @@ GET = "get"
 CONTAINS = "contains"
 READS_ALONE = "reads alone"
 READS_BUSY = "reads beside busy"
-LOOKUP_SAMPLES = 50
+LOOKUP_SAMPLES = 300
 
 
 def parse_args(description: str) -> argparse.Namespace:

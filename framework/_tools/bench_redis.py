@@ -28,7 +28,7 @@ from kvfabric.errors import ConfigError
 
 __all__ = ["check_redis", "redis_rows"]
 
-_LOOKUP_SAMPLES = 50
+_LOOKUP_SAMPLES = 300
 
 
 def check_redis() -> None:

@@ -185,8 +185,9 @@ class DataNode:
         )
 
     def stats(self) -> dict[str, int]:
-        """Capacity, how long preparing the memory took at start, and every transport
-        server's counters, prefixed with its name."""
+        """Capacity, how long preparing the memory took at start, how much of it huge pages
+        map (where the backend says), and every transport server's counters, prefixed with
+        its name."""
         counters = {
             "capacity_bytes": sum(r.size for r in self.backend.regions()),
             "regions": len(self.backend.regions()),
@@ -194,6 +195,10 @@ class DataNode:
             # counters are integers on the wire, hence milliseconds.
             "prefault_ms": round(float(getattr(self.backend, "prefault_seconds", 0.0)) * 1000),
         }
+        # Backends on shared memory (dram) say how much of it huge pages map.
+        huge_page_bytes = getattr(self.backend, "huge_page_bytes", None)
+        if callable(huge_page_bytes):
+            counters["huge_page_bytes"] = int(huge_page_bytes())
         for transport, server in self.servers.items():
             for name, value in server.stats().items():
                 counters[f"{transport}_{name}"] = value

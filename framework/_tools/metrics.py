@@ -42,7 +42,17 @@ Scopes = dict[str, dict[str, int]]
 _NODE_SCOPE = re.compile(r"^node (\d+) (.*)$")
 _UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
 _GAUGES = frozenset(
-    {"nodes", "entries", "pending", "regions", "registered", "arenas", "shards", "replicas"}
+    {
+        "nodes",
+        "entries",
+        "pending",
+        "regions",
+        "registered",
+        "arenas",
+        "shards",
+        "replicas",
+        "prefault_ms",
+    }
 )
 _SHARD = re.compile(r"^shard\d+_")
 
@@ -83,6 +93,8 @@ _HELP: dict[str, str] = {
     # node
     "node_capacity_bytes": "Bytes of this node's regions.",
     "node_regions": "Regions this node serves.",
+    "node_prefault_ms": "Milliseconds this node took at start to prepare its memory (0: not).",
+    "node_huge_page_bytes": "Bytes of this node's regions mapped by huge pages.",
     "node_registered": "1 while the controller knows this node, 0 while it is registering.",
 }
 

@@ -239,8 +239,11 @@ def _describe(node: DataNode) -> str:
     capacity = sum(r.size for r in regions)
     parts = [_endpoint_words(name, server.address) for name, server in node.servers.items()]
     region_word = "region" if len(regions) == 1 else "regions"
-    prefault_ms = node.stats().get("prefault_ms", 0)
+    stats = node.stats()
+    prefault_ms = stats.get("prefault_ms", 0)
     prepared = f", memory prepared in {prefault_ms / 1000:.2f}s" if prefault_ms else ""
+    if stats.get("huge_page_bytes"):
+        prepared += f", {format_size(stats['huge_page_bytes'])} on huge pages"
     return (
         f"{format_size(capacity)} ({capacity} bytes, {node.backend.name}, {len(regions)} "
         f"{region_word}{prepared}) over {', '.join(parts)}"

@@ -27,6 +27,14 @@ from kvfabric.spi.buffers import (
 from kvfabric.spi.codec import Reader, Writer
 from kvfabric.spi.counters import CLIENT_COUNTERS, Counters
 from kvfabric.spi.hooks import hookimpl, hookspec
+from kvfabric.spi.huge_pages import (
+    SHMEM_POLICY,
+    MappedPages,
+    advise_huge_pages,
+    mapped_pages,
+    policy_grants_advised,
+    shmem_huge_policy,
+)
 from kvfabric.spi.image import (
     IMAGE_NODE,
     IMAGE_REGION,
@@ -128,6 +136,7 @@ __all__ = [
     "MAGIC",
     "SERVE_COUNTERS",
     "SERVE_MAX_COUNT",
+    "SHMEM_POLICY",
     "SLOT_ALIGN",
     "SOCKET_ERRORS",
     "AllocateResult",
@@ -150,6 +159,7 @@ __all__ = [
     "IndexConfig",
     "IndexPlugin",
     "InstalledPlugin",
+    "MappedPages",
     "MemoryKind",
     "Mutex",
     "NodeEndpoint",
@@ -178,6 +188,7 @@ __all__ = [
     "TransportServer",
     "Writer",
     "address_of",
+    "advise_huge_pages",
     "alternate_key",
     "byte_view",
     "checksum",
@@ -194,6 +205,7 @@ __all__ = [
     "image_store",
     "installed_plugins",
     "map_exceptions",
+    "mapped_pages",
     "new_rkey",
     "pack_header",
     "parse_bool",
@@ -203,6 +215,7 @@ __all__ = [
     "parse_size",
     "plan_batch",
     "plugin_manager",
+    "policy_grants_advised",
     "prefault",
     "prefault_all",
     "record_size",
@@ -213,6 +226,7 @@ __all__ = [
     "send_all",
     "send_checksummed",
     "serve_reads",
+    "shmem_huge_policy",
     "ucp_post",
     "ucp_wait",
     "validate_record",

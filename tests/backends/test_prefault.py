@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from kvfabric.errors import ConfigError
-from kvfabric.spi import Backend, BackendConfig, PluginOptions, plugin_manager
+from kvfabric.spi import (
+    Backend,
+    BackendConfig,
+    PluginOptions,
+    plugin_manager,
+    policy_grants_advised,
+)
 from kvfabric.testing import Cluster
 
 _MIB = 1 << 20
@@ -108,6 +114,19 @@ def test_a_node_with_prefault_off_reports_zero() -> None:
         line = _ready_line(cluster)
     assert stats["prefault_ms"] == 0
     assert "memory prepared" not in line
+
+
+def test_a_node_reports_how_much_of_its_memory_huge_pages_map() -> None:
+    # What the kernel grants is the host's policy (see test_huge_pages): under every policy
+    # the count is within the capacity, and the ready line names it exactly when it is not 0.
+    with Cluster(nodes=1, transports=("tcp",), capacity="64MiB") as cluster:
+        stats = next(v for k, v in _node_stats(cluster).items() if k.startswith("node"))
+        line = _ready_line(cluster)
+    huge = stats["huge_page_bytes"]
+    assert 0 <= huge <= 64 * _MIB
+    assert ("on huge pages" in line) == (huge > 0)
+    if not policy_grants_advised():
+        assert huge == 0
 
 
 def _node_stats(cluster: Cluster) -> dict[str, dict[str, int]]:

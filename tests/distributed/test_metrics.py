@@ -82,6 +82,10 @@ def test_the_endpoints_have_help_and_type_lines_and_type_levels_as_gauges(
     node_types = _types(node_text)
     assert node_types["kvfabric_node_capacity_bytes"] == "gauge"
     assert node_types["kvfabric_node_tcp_bytes_written_total"] == "counter"
+    # Levels of the node, not totals: gauges, each with a help of its own.
+    assert node_types["kvfabric_node_prefault_ms"] == "gauge"
+    assert node_types["kvfabric_node_huge_page_bytes"] == "gauge"
+    assert "# HELP kvfabric_node_huge_page_bytes Bytes of this node's regions mapped" in node_text
     samples = _samples(node_text)
     assert samples['kvfabric_node_capacity_bytes{name="node0",node="1"}'] == 256 << 20
     assert samples['kvfabric_node_registered{name="node0",node="1"}'] == 1.0

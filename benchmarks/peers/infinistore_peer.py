@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 from peer_common import (
     CONTAINS,
     GET,
+    GET_SAMPLES,
     LOOKUP_SAMPLES,
     PUT_FRESH,
     READS_ALONE,
@@ -249,7 +250,7 @@ def main() -> None:
             def checked_get(
                 get: Any = get, got: list[Any] = got, expected: Any = expected
             ) -> float:
-                seconds = median_seconds(get, repeat)
+                seconds = median_seconds(get, max(repeat, GET_SAMPLES))
                 if not all(np.array_equal(g, e) for g, e in zip(got, expected, strict=True)):
                     raise _WrongReply("other bytes than were put")
                 return seconds

@@ -28,6 +28,7 @@ CONTAINS = "contains"
 READS_ALONE = "reads alone"
 READS_BUSY = "reads beside busy"
 LOOKUP_SAMPLES = 300
+GET_SAMPLES = 9  # as kvfabric bench's (kvfabric._tools.bench_measure.GET_SAMPLES)
 
 
 def parse_args(description: str) -> argparse.Namespace:

@@ -1,6 +1,6 @@
 """``kvfabric bench``: kvfabric beside the floors and the stores users would pick instead, in one
 process tree, on one workload (``count`` chunks per batch, of each size; medians of
-``repeat``):
+``repeat``, of at least 9 for gets and floors, of 300 for lookups):
 
 - floors (:mod:`bench_floors`): memcpy, a raw socket stream, raw and ZeroMQ small round trips;
 - kvfabric over ``tcp``, ``shm`` and ``ucx`` (``UCX_TLS=sm``, where UCX is installed), each

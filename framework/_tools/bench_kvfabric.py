@@ -39,6 +39,7 @@ from kvfabric._tools.bench_measure import (
     CONTAINS,
     CONTROLLER_CPU,
     GET,
+    GET_SAMPLES,
     PUT_FRESH,
     PUT_WARM,
     RE_PUT,
@@ -184,7 +185,9 @@ def transport_rows(name: str, plan: KvfabricPlan) -> list[BenchRow]:
                 row(
                     GET,
                     size,
-                    median_seconds(get, repeat, partial(store.batched_contains, keys)),
+                    median_seconds(
+                        get, max(repeat, GET_SAMPLES), partial(store.batched_contains, keys)
+                    ),
                 )
             )
             if not all(

@@ -22,6 +22,7 @@ __all__ = [
     "CONTROLLER_CPU",
     "COPY",
     "GET",
+    "GET_SAMPLES",
     "PUT_FRESH",
     "PUT_WARM",
     "READS_ALONE",
@@ -83,6 +84,12 @@ class BenchRow:
             note=str(data.get("note") or ""),
             kept=None if data.get("kept") is None else float(data["kept"]),
         )
+
+
+GET_SAMPLES = 9
+"""Every system's get is the median of at least this many (a read repeats at no cost, and the
+get / memcpy ratio divides by a floor of as many samples): at 3, one preemption on this
+2-core machine moved kvfabric shm's get / memcpy from 0.82 to 0.74 between runs."""
 
 
 def median_seconds(

@@ -18,6 +18,7 @@ import numpy as np
 from kvfabric._tools.bench_measure import (
     CONTAINS,
     GET,
+    GET_SAMPLES,
     PUT_FRESH,
     RE_PUT,
     BenchRow,
@@ -128,6 +129,6 @@ def _rows(client: Any, count: int, size: int, repeat: int) -> list[BenchRow]:
         assert all(g is not None for g in got)
 
     rows.append(row(CONTAINS, median_seconds(contains, max(repeat, _LOOKUP_SAMPLES))))
-    rows.append(row(GET, median_seconds(get, repeat)))
+    rows.append(row(GET, median_seconds(get, max(repeat, GET_SAMPLES))))
     rows.append(row(RE_PUT, median_seconds(put, repeat)))
     return rows

@@ -37,6 +37,7 @@ from kvfabric.spi import (
 from kvfabric.transports.tcp_client import TcpClient
 from kvfabric.transports.tcp_server import ServerLimits, TcpServer
 from kvfabric.transports.tcp_tls import ca_file, client_context, pem_file, server_context
+from kvfabric.transports.tcp_tuning import parse_send_buffer
 
 __all__ = ["TcpTransport"]
 
@@ -95,6 +96,14 @@ class TcpTransport(Transport):
             " (0: off); waking a sleeping thread costs more than a small round trip",
         ),
         OptionSpec(
+            name="send_buffer",
+            parse=parse_send_buffer,
+            default="auto",
+            help="each connection's send buffer (client: writes, node: reads): auto is 256KiB "
+            "to a peer on this host (its bytes stay in cache) and the kernel's autotuning to "
+            "any other; 0 autotuning always; or a size",
+        ),
+        OptionSpec(
             name="tls",
             parse=parse_bool,
             default=False,
@@ -135,6 +144,7 @@ class TcpTransport(Transport):
             idle_timeout=float(options["idle_timeout"]),
             frame_timeout=float(options["frame_timeout"]),
             busy_poll=float(options["busy_poll"]),
+            send_buffer=parse_send_buffer(options["send_buffer"]),
         )
         tls = server_context(options["tls_cert"], options["tls_key"]) if options["tls"] else None
         return TcpServer(config, limits, tls)
@@ -143,7 +153,13 @@ class TcpTransport(Transport):
     def create_client(cls, config: TransportConfig) -> TransportClient:
         options = cls.parse_options(config.options)
         tls = client_context(options["tls_ca"]) if options["tls"] else None
-        return TcpClient(config, int(options["pool"]), tls, float(options["busy_poll"]))
+        return TcpClient(
+            config,
+            int(options["pool"]),
+            tls,
+            float(options["busy_poll"]),
+            parse_send_buffer(options["send_buffer"]),
+        )
 
 
 @hookimpl

@@ -57,6 +57,7 @@ from kvfabric.transports.tcp_auth import (
     unpack_greeting,
 )
 from kvfabric.transports.tcp_stream import PeerClosed, Stream, TlsStream
+from kvfabric.transports.tcp_tuning import AUTO, tune
 from kvfabric.transports.tcp_wire import (
     ENTRY,
     HEADER,
@@ -78,15 +79,6 @@ class _Refused(Exception):
     """The node refused this client (an error reply, or a handshake that cannot succeed)."""
 
 
-def _tune(sock: socket.socket) -> None:
-    # Each request and reply is written whole and then waited on: Nagle would only hold back
-    # its last partial packet for an ACK. SO_SNDBUF/SO_RCVBUF are deliberately left alone:
-    # setting them turns off the kernel's window autotuning (which grows to tcp_rmem's
-    # maximum, 32 MiB here) and is clamped to net.core.rmem_max (208 KiB on many hosts); on
-    # loopback fixed 1-16 MiB buffers measured no faster than autotuning.
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
 def _parse_address(address: bytes) -> tuple[str, int]:
     host, sep, port = address.decode(errors="replace").rpartition(":")
     if not sep or not port.isdigit():
@@ -96,11 +88,13 @@ def _parse_address(address: bytes) -> tuple[str, int]:
 
 @attrs.frozen(kw_only=True)
 class _Link:
-    """How this client's connections are made: the secret, TLS, the reply spin."""
+    """How this client's connections are made: the secret, TLS, the reply spin, the send
+    buffer (``tcp_tuning``)."""
 
     key: bytes
     tls: ssl.SSLContext | None
     busy_poll: float
+    send_buffer: int
 
 
 class _Connection:
@@ -119,7 +113,7 @@ class _Connection:
             raise TimeoutError("deadline passed before connecting")
         sock = socket.create_connection(address, timeout=remaining)
         try:
-            _tune(sock)
+            tune(sock, link.send_buffer)
             stream = _handshake(sock, address[0], link, deadline)
         except BaseException:
             sock.close()
@@ -272,11 +266,16 @@ class TcpClient(PeerClient[_Peer]):
     write_lanes = 2
 
     def __init__(
-        self, config: TransportConfig, pool: int, tls: ssl.SSLContext | None, busy_poll: float
+        self,
+        config: TransportConfig,
+        pool: int,
+        tls: ssl.SSLContext | None,
+        busy_poll: float,
+        send_buffer: int = AUTO,
     ) -> None:
         super().__init__(config)
         self._pool_size = pool
-        self._link = _Link(key=config.token, tls=tls, busy_poll=busy_poll)
+        self._link = _Link(key=config.token, tls=tls, busy_poll=busy_poll, send_buffer=send_buffer)
 
     def describe(self, endpoint: NodeEndpoint) -> str:
         return f"tcp: node {endpoint.node} at {endpoint.address.decode(errors='replace')}"

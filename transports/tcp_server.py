@@ -63,6 +63,7 @@ from kvfabric.transports.tcp_stream import (
     peer_closed,
     wake,
 )
+from kvfabric.transports.tcp_tuning import AUTO, tune
 from kvfabric.transports.tcp_wire import (
     ENTRY,
     HEADER,
@@ -114,6 +115,8 @@ class ServerLimits:
     frame_timeout: float
     busy_poll: float
     """Seconds the native loop spins for a connection's next frame before sleeping."""
+    send_buffer: int = AUTO
+    """``tcp.send_buffer``: what each connection's reads go out through."""
 
 
 class _Conn:
@@ -254,6 +257,12 @@ class TcpServer(TransportServer):
 
     def start(self, slot: object, stream: Stream) -> None:
         assert isinstance(slot, _Conn)
+        try:
+            tune(stream.sock, self._limits.send_buffer)
+        except OSError:  # the peer is already gone
+            self.release(slot)
+            stream.close()
+            return
         thread = threading.Thread(
             target=self._serve, args=(slot,), name="kvfabric-tcp-conn", daemon=True
         )

@@ -224,12 +224,12 @@ def test_copy_many_of_a_megabyte_or_more_lands_every_byte_whatever_the_stores(
     crc_of_source: bool,
 ) -> None:
     """Copies of 1 MiB and more store non-temporally where the destination sits level with
-    the source or behind it modulo 4 KiB, and plainly elsewhere: every placement lands
-    exactly the bytes it checksums, and nothing around them."""
+    the source or at least 256 bytes ahead of it modulo 4 KiB, and plainly elsewhere: every
+    placement lands exactly the bytes it checksums, and nothing around them."""
     size = (1 << 20) + 8192 * 3 + 13
     source_backing = np.random.default_rng(7).integers(0, 256, size + 8192, dtype=np.uint8)
     for src_at in (0, 8, 64, 4032):
-        for dest_at in (0, 8, 48, 64, 2048, 4088):
+        for dest_at in (0, 8, 48, 64, 200, 320, 2048, 4088):
             source = source_backing[src_at : src_at + size]
             backing = np.zeros(size + 8192, dtype=np.uint8)
             dest = backing[dest_at : dest_at + size]

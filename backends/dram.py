@@ -12,12 +12,12 @@ mapping it. It takes about a second per few GiB (the node's ready line and its
 ``prefault_ms``); turn it off for capacities the machine should only commit as they fill.
 
 With ``dram.huge_pages=true`` each region asks for 2 MiB pages (``madvise``), which the
-kernel grants where its policy for shared memory allows (``kvfabric.spi.huge_pages``). A copy
-out of a region then misses the TLB once per 2 MiB instead of once per 4 KiB: shm reads of
-64 x 4 MiB went from 9.7-10.3 to 10.2-10.7 GB/s on the 2-core VM kvfabric is built on. But
-there, preparing 2 GiB took 2.2-2.4 s instead of 0.6 (the cause, in the kernel's allocation
-of each 2 MiB page, was not isolated), which every restart pays; so it is off unless asked
-for. The node's ready line
+kernel grants where its policy for shared memory allows (``kvfabric.spi.huge_pages``). Page
+tables then take 4 KiB per GiB instead of 2 MiB, in the node and in every shm client mapping
+its regions (2 GiB: 4.4 MB of them against 0.26), and shm reads ran ~2% faster. But on the
+2-core VM kvfabric is built on, preparing 2 GiB took 2.2-2.4 s instead of 0.6-0.8 (the
+cause, in the kernel's allocation of each 2 MiB page, was not isolated), which every
+restart pays; so it is off unless asked for. The node's ready line
 and its ``huge_page_bytes`` say what it got (under the kernel policy ``always`` regions get
 huge pages without asking).
 """

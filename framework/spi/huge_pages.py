@@ -1,14 +1,13 @@
 """Huge pages for shared-memory regions: asking for them, and seeing whether they came.
 
-A region read through a 4 KiB page table costs a TLB miss every 4 KiB. On this kind of
-host, a copy with its CRC out of a memfd on 4 KiB pages ran at 10.4 GB/s, and out of the
-same memfd on 2 MiB pages at 12.4 (the speed of the same copy out of anonymous memory,
-which numpy gets on huge pages). Shared memory (memfd, tmpfs) gets 2 MiB pages only where
-the kernel's policy for it allows: ``/sys/kernel/mm/transparent_hugepage/shmem_enabled``
-set to ``advise`` (pages for mappings that ask with ``madvise(MADV_HUGEPAGE)``, as the
-``dram`` backend's regions do with ``dram.huge_pages=true``), ``within_size`` or
-``always``. Many distributions ship ``never``: then asking changes nothing, and the host's
-operator decides (``docs/architecture.md``, "Huge pages are the host's choice").
+A region mapped with 4 KiB pages needs 2 MiB of page tables per GiB in every process that
+maps it, and a TLB miss per 4 KiB read; with 2 MiB pages, 4 KiB of page tables per GiB.
+Shared memory (memfd, tmpfs) gets 2 MiB pages only where the kernel's policy for it allows:
+``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` set to ``advise`` (pages for mappings
+that ask with ``madvise(MADV_HUGEPAGE)``, as the ``dram`` backend's regions do with
+``dram.huge_pages=true``), ``within_size`` or ``always``. Many distributions ship
+``never``: then asking changes nothing, and the host's operator decides
+(``docs/architecture.md``, "Huge pages are the host's choice").
 
 A client that maps the same memfd (``shm``) is given the node's 2 MiB pages as they are; it
 needs to ask for nothing.

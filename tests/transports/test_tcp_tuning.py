@@ -19,6 +19,7 @@ from tcp_raw import local_endpoint, local_node
 from kvfabric.errors import ConfigError
 from kvfabric.spi import TransportClient, TransportConfig, plugin_manager
 from kvfabric.testing import segment_for
+from kvfabric.transports import tcp_tuning
 from kvfabric.transports.tcp_tuning import (
     AUTO,
     LOCAL_SEND_BUFFER,
@@ -87,6 +88,19 @@ def test_auto_fixes_a_local_connections_send_buffer_and_zero_leaves_it_to_the_ke
     assert client.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == _held(LOCAL_SEND_BUFFER)
     tune(server, 1 << 20)
     assert server.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == _held(1 << 20)
+
+
+def test_auto_leaves_a_remote_peers_buffer_to_the_kernel_faked_peer(
+    pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only loopback can be reached here: the remote peer is this pair, declared remote.
+    client, _ = pair
+    monkeypatch.setattr(tcp_tuning, "on_this_host", lambda sock: False)
+    untouched = client.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    tcp_tuning.tune(client, AUTO)
+    assert client.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == untouched
+    tcp_tuning.tune(client, 1 << 20)  # a size is a size, remote or not
+    assert client.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == _held(1 << 20)
 
 
 def _client(**options: str) -> TransportClient:

@@ -37,6 +37,7 @@ from peer_common import (
     PUT_FRESH,
     READS_ALONE,
     READS_BUSY,
+    WARM_UP_BYTES,
     beside_busy,
     emit,
     median_seconds,
@@ -222,7 +223,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir, _server(args.capacity, Path(workdir)) as how:
         client = _Client(infinistore)
         # The connection's first request, before anything is timed.
-        client.conn.tcp_write_cache(uuid.uuid4().hex, src.ctypes.data, 4096)
+        client.conn.tcp_write_cache(
+            uuid.uuid4().hex, src.ctypes.data, min(WARM_UP_BYTES, src.nbytes)
+        )
         batches: dict[int, list[str]] = {}
         for size in args.sizes:
 

@@ -34,6 +34,7 @@ from peer_common import (
     PUT_FRESH,
     READS_ALONE,
     READS_BUSY,
+    WARM_UP_BYTES,
     beside_busy,
     emit,
     median_seconds,
@@ -165,7 +166,8 @@ def main() -> None:
             if store.register_buffer(buf.ctypes.data, buf.nbytes) != 0:
                 raise RuntimeError("Mooncake register_buffer failed")
         # Connections to the node, before anything is timed.
-        _check(store.batch_put_from([uuid.uuid4().hex], [src.ctypes.data], [4096]), "put")
+        warm_up = min(WARM_UP_BYTES, src.nbytes)
+        _check(store.batch_put_from([uuid.uuid4().hex], [src.ctypes.data], [warm_up]), "put")
         batches: dict[int, list[str]] = {}
         for size in args.sizes:
             ptrs = [src.ctypes.data + i * size for i in range(count)]

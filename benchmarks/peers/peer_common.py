@@ -29,6 +29,7 @@ READS_ALONE = "reads alone"
 READS_BUSY = "reads beside busy"
 LOOKUP_SAMPLES = 300
 GET_SAMPLES = 9  # as kvfabric bench's (kvfabric._tools.bench_measure.GET_SAMPLES)
+WARM_UP_BYTES = 8 << 20  # each system's first write, untimed (bench_measure.WARM_UP_BYTES)
 
 
 def parse_args(description: str) -> argparse.Namespace:

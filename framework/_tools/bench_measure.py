@@ -31,6 +31,7 @@ __all__ = [
     "RE_PUT",
     "RTT",
     "STREAM",
+    "WARM_UP_BYTES",
     "BenchRow",
     "beside_busy",
     "beside_busy_process",
@@ -85,6 +86,10 @@ class BenchRow:
             kept=None if data.get("kept") is None else float(data["kept"]),
         )
 
+
+WARM_UP_BYTES = 8 << 20
+"""What each system writes before anything is timed (as ``benchmarks/peers``' scripts do):
+enough to open every connection a large put uses (kvfabric tcp's write lanes)."""
 
 GET_SAMPLES = 9
 """Every system's get is the median of at least this many (a read repeats at no cost, and the

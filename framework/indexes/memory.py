@@ -602,7 +602,7 @@ class MemoryIndex(IndexPlugin):
             return None
         space, offset = placed
         self._next_version += 1
-        descriptor = Descriptor(
+        descriptor = Descriptor.trusted(
             key=req.key,
             node=space.node,
             region=space.region,
@@ -628,7 +628,7 @@ class MemoryIndex(IndexPlugin):
                     entry, copy = found
                     assert entry.grants is not None
                     del entry.grants[grant.version]
-                    landed.setdefault(grant.key, []).append(attrs.evolve(copy, crc=grant.crc))
+                    landed.setdefault(grant.key, []).append(copy.with_crc(grant.crc))
                 else:
                     self._counters["publish_rejected"] += 1
                 out.append(ok)

@@ -923,7 +923,7 @@ class RedisIndex(IndexPlugin):
                 if version not in landed:
                     aborts.append((arena, [key, version_bytes(version)]))
             others = [
-                attrs.evolve(put.copies[v][0], crc=grants[i].crc)
+                put.copies[v][0].with_crc(grants[i].crc)
                 for v, i in landed.items()
                 if not (put.granted and v == put.home_version)
             ]

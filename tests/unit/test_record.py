@@ -57,6 +57,21 @@ def test_descriptor_validates_its_fields(field: str, value: int | bytes) -> None
         _descriptor(**{field: value})
 
 
+def test_a_trusted_descriptor_and_one_given_a_crc_equal_the_checked_ones() -> None:
+    d = _descriptor()
+    fields = {name: getattr(d, name) for name in ("key", "node", "region", "offset")}
+    fields |= {name: getattr(d, name) for name in ("length", "rkey", "version", "crc")}
+    trusted = Descriptor.trusted(**fields)
+    assert trusted == d
+    assert trusted.to_bytes() == d.to_bytes()
+    published = d.with_crc(0xDEADBEEF)
+    assert published == _descriptor(crc=0xDEADBEEF)
+    assert published.to_bytes() == _descriptor(crc=0xDEADBEEF).to_bytes()
+    assert d.crc != 0xDEADBEEF  # the original is unchanged
+    with pytest.raises(ValueError, match="crc"):
+        d.with_crc(2**32)
+
+
 def test_record_size_aligns_header_plus_payload() -> None:
     assert record_size(0) == HEADER_SIZE
     assert record_size(1) == HEADER_SIZE + SLOT_ALIGN

@@ -18,6 +18,7 @@ __all__ = [
     "PluginNotFoundError",
     "PluginUnavailableError",
     "ProtocolError",
+    "RegistrationInterruptedError",
     "RemoteError",
     "TransportError",
     "TransportTimeoutError",
@@ -85,3 +86,9 @@ class TransportTimeoutError(TransportError, TimeoutError):
 
 class ControllerUnavailableError(KvfabricError, ConnectionError):
     """The controller cannot be reached; lookups read as misses and puts are dropped."""
+
+
+class RegistrationInterruptedError(ControllerUnavailableError):
+    """An index took a node's registration, then was lost before the registration was
+    complete: clients may already have written to the node, so its memory may hold records
+    (the node scans it when it registers again)."""

@@ -21,7 +21,12 @@ import threading
 
 from kvfabric._node.membership import Membership
 from kvfabric._node.node import DataNode
-from kvfabric.errors import ControllerUnavailableError, KvfabricError, NameInUseError
+from kvfabric.errors import (
+    ControllerUnavailableError,
+    KvfabricError,
+    NameInUseError,
+    RegistrationInterruptedError,
+)
 from kvfabric.spi.index import NodeInfo
 from kvfabric.spi.units import format_size
 
@@ -69,6 +74,11 @@ class NodeAgent:
                     continue
             except NameInUseError as exc:
                 log.warning("%s; waiting", exc)
+            except RegistrationInterruptedError as exc:
+                # Clients may have written to this node meanwhile: its next registration
+                # scans its memory and reports what it finds, as after any restart.
+                self.node.mark_registered()
+                log.warning("%s; registering again", exc)
             except ControllerUnavailableError as exc:
                 log.debug("%s unavailable: %s", self.membership.where, exc)
             except KvfabricError as exc:

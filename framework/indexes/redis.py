@@ -36,7 +36,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 
 from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
-from kvfabric.errors import ConfigError, ControllerUnavailableError, NameInUseError
+from kvfabric.errors import (
+    ConfigError,
+    ControllerUnavailableError,
+    KvfabricError,
+    NameInUseError,
+    RegistrationInterruptedError,
+)
 from kvfabric.indexes.redis_layout import (
     Arena,
     Ring,
@@ -375,9 +381,18 @@ class RedisIndex(IndexPlugin):
                 f"released {int(reply[1]) / 1000:.1f}s from now unless that node heartbeats"
             )
         _, incarnation, _, created, dropped = reply
-        view = self._refresh()
-        self._init_arenas([view.arenas[int(a)] for a in created if int(a) in view.arenas])
-        self._drop_arenas([int(a) for a in dropped])
+        try:
+            view = self._refresh()
+            self._init_arenas([view.arenas[int(a)] for a in created if int(a) in view.arenas])
+            self._drop_arenas([int(a) for a in dropped])
+        except KvfabricError as exc:
+            # The registry holds the node now, and clients may be writing to it (its arenas
+            # can be ready on one shard while another is lost). Measured: a Redis restarted
+            # in this step left a restarted node's 18 records out of the new registry.
+            raise RegistrationInterruptedError(
+                f"node {node_id} was registered, then Redis was lost before its arenas were "
+                f"ready: {exc}"
+            ) from exc
         return attrs.evolve(registered, incarnation=int(incarnation))
 
     def heartbeat(self, node: int, incarnation: int) -> bool:

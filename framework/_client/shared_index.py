@@ -6,9 +6,8 @@ fall to every user of a shared index, done here by one background thread per sto
 
 - **upkeep**: ``index.tick()`` every half second (expired leases, nodes that fell silent);
 - **membership**: after each tick the nodes the index lists are compared (id and
-  incarnation) with the last ones seen (at the first tick: with none, since the store may
-  have learned them before it); a change makes the store relearn its routes before the
-  next read or write, as a controller's membership generation does.
+  incarnation) with the last ones seen; a change makes the store relearn its routes before
+  the next read or write, as a controller's membership generation does.
 """
 
 from __future__ import annotations
@@ -56,12 +55,7 @@ class IndexUpkeep:
             except KvfabricError as exc:
                 log.debug("kvfabric: shared index upkeep failed (%s); retrying", exc)
                 continue
-            # The first tick has nothing of its own to compare with, but the store may have
-            # learned the nodes before it (at its first put): a change in between (a Redis
-            # restarted empty, the nodes registered again under other ids) went unseen, and
-            # the store kept routing to the old ids. So the first tick always has the store
-            # relearn (one more nodes() call, before its next read or write).
-            if nodes != self._known:
+            if self._known is not None and nodes != self._known:
                 self._store.membership_changed(len(nodes))
             self._known = nodes
 

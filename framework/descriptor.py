@@ -106,17 +106,12 @@ class Descriptor:
     def with_crc(self, crc: int) -> Descriptor:
         """This descriptor with ``crc`` (checked) set: a grant as it is published."""
         _u32(None, _CRC_FIELD, crc)
-        return _unchecked(
-            None,
-            self.key,
-            self.node,
-            self.region,
-            self.offset,
-            self.length,
-            self.rkey,
-            self.version,
-            crc,
-        )
+        d = _new(Descriptor)
+        for name in _COPIED:
+            _set(d, name, getattr(self, name))
+        _set(d, "crc", crc)
+        _set(d, "_wire", None)
+        return d
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview, offset: int = 0) -> Descriptor:
@@ -168,6 +163,8 @@ def _unchecked(
 
 
 _CRC_FIELD = attrs.fields(Descriptor).crc
+# What with_crc keeps: every field but the CRC and the cached wire form.
+_COPIED = tuple(f.name for f in attrs.fields(Descriptor) if f.name not in ("crc", "_wire"))
 
 
 class PackedDescriptors(Sequence[Descriptor]):

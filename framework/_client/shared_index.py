@@ -6,8 +6,9 @@ fall to every user of a shared index, done here by one background thread per sto
 
 - **upkeep**: ``index.tick()`` every half second (expired leases, nodes that fell silent);
 - **membership**: after each tick the nodes the index lists are compared (id and
-  incarnation) with the last ones seen; a change makes the store relearn its routes before
-  the next read or write, as a controller's membership generation does.
+  incarnation) with the last ones seen, starting from those the store learned when it
+  connected; a change makes the store relearn its routes before the next read or write, as
+  a controller's membership generation does.
 """
 
 from __future__ import annotations
@@ -39,27 +40,44 @@ def check_shared(cls: type[IndexPlugin]) -> None:
 class IndexUpkeep:
     """The background tick and membership check of one store's shared index."""
 
-    def __init__(self, index: IndexPlugin, store: Store) -> None:
+    def __init__(
+        self, index: IndexPlugin, store: Store, *, interval: float | None = TICK_INTERVAL
+    ) -> None:
+        """``interval=None`` starts no thread: the caller runs :meth:`check` (tests)."""
         self._index = index
         self._store = store
-        self._known: frozenset[tuple[int, int]] | None = None
+        # The baseline is what the store routes by, not the first tick's answer: nodes that
+        # changed between the store's connect and that tick (a Redis restarted empty, the
+        # nodes back under new incarnations) must count as a change, or the store keeps
+        # routing to the old ones. Comparing costs no call: the tick lists the nodes anyway.
+        self._known: frozenset[tuple[int, int]] | None = store.learned_nodes
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvfabric-index-tick", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if interval is not None:
+            self._thread = threading.Thread(
+                target=self._run, args=(interval,), name="kvfabric-index-tick", daemon=True
+            )
+            self._thread.start()
 
-    def _run(self) -> None:
-        while not self._stop.wait(TICK_INTERVAL):
-            try:
-                self._index.tick()
-                nodes = frozenset((n.id, n.incarnation) for n in self._index.nodes())
-            except KvfabricError as exc:
-                log.debug("kvfabric: shared index upkeep failed (%s); retrying", exc)
-                continue
-            if self._known is not None and nodes != self._known:
-                self._store.membership_changed(len(nodes))
-            self._known = nodes
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.check()
+
+    def check(self) -> bool:
+        """One tick of the index and one membership check; whether the nodes changed."""
+        try:
+            self._index.tick()
+            nodes = frozenset((n.id, n.incarnation) for n in self._index.nodes())
+        except KvfabricError as exc:
+            log.debug("kvfabric: shared index upkeep failed (%s); retrying", exc)
+            return False
+        changed = self._known is not None and nodes != self._known
+        if changed:
+            self._store.membership_changed(len(nodes))
+        self._known = nodes
+        return changed
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not threading.current_thread():
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)

@@ -178,8 +178,15 @@ class Store:
         self._closed = False
         self._membership_stale = True
         self._relearned_at = 0.0
+        self._learned_nodes: frozenset[tuple[int, int]] | None = None
         # A controller that is down now is not an error: reads miss until it is back.
         self._refresh_membership()
+
+    @property
+    def learned_nodes(self) -> frozenset[tuple[int, int]] | None:
+        """(id, incarnation) of the nodes this store last learned from its index; None
+        before it learned any (the index was unreachable)."""
+        return self._learned_nodes
 
     @property
     def records(self) -> RecordIO:
@@ -687,6 +694,7 @@ class Store:
             self._membership_stale = True
             return False
         self._records.set_nodes(nodes)
+        self._learned_nodes = frozenset((n.id, n.incarnation) for n in nodes)
         if self._image_unlocated:
             self._relocate_image()
         return True

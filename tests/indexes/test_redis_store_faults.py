@@ -23,8 +23,13 @@ import pytest
 
 import kvfabric
 from kvfabric import PutOutcome
+from kvfabric._client import remote
+from kvfabric._client.shared_index import IndexUpkeep
+from kvfabric._client.store import Store
 from kvfabric._tools.redis_cluster import RedisDeployment
+from kvfabric.errors import KvfabricError
 from kvfabric.keys import chain_keys
+from kvfabric.spi import IndexPlugin
 from kvfabric.testing import Cluster
 
 _RECOVERY_LIMIT = 60.0
@@ -257,3 +262,56 @@ def test_a_redis_restarted_empty_gets_the_nodes_and_their_records_back(
             )
             assert store.batched_contains(keys) == 64
             assert [bytes(v) if v is not None else None for v in store.batched_get(keys)] == values
+
+
+def test_nodes_back_under_new_incarnations_before_the_first_tick_are_relearned(
+    redis_single: RedisDeployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis restarted empty between a client's connect and its upkeep's first tick, the
+    nodes registered again (new incarnations) by the time that tick runs: the tick compares
+    with the nodes the store learned at connect, tells the store, and the store's next put
+    goes to the nodes as they are now. (It used to take that tick's answer as its baseline,
+    so the store kept the old incarnations and its puts failed for good.) The ticks are run
+    by the test, so the order is certain."""
+    upkeeps: list[IndexUpkeep] = []
+
+    def upkeep_run_by_the_test(index: IndexPlugin, store: Store) -> IndexUpkeep:
+        upkeeps.append(IndexUpkeep(index, store, interval=None))
+        return upkeeps[-1]
+
+    monkeypatch.setattr(remote, "IndexUpkeep", upkeep_run_by_the_test)
+    with Cluster(nodes=2, transports=("tcp",), capacity="64MiB", redis=redis_single.url) as nodes:
+        keys = chain_keys(list(range(64)), 1, namespace=uuid.uuid4().bytes)
+        values = [os.urandom(1000) for _ in keys]
+        with kvfabric.connect(nodes.url(transport="tcp")) as store:
+            [upkeep] = upkeeps
+            learned = store.learned_nodes
+            assert learned is not None
+            assert len(learned) == 2
+            assert store.batched_put(keys[:32], values[:32]) == [PutOutcome.STORED] * 32
+
+            redis_single.restart(redis_single.servers[0].port)
+            # Until both nodes are back and have reported what they hold (read past the
+            # store, whose routes are what is tested).
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    now = nodes.index().nodes()
+                    found = sum(d is not None for d in nodes.index().resolve(keys[:32]))
+                except KvfabricError:
+                    now, found = [], 0
+                if len(now) == 2 and found == 32 and not any(n.restoring for n in now):
+                    break
+                time.sleep(0.1)
+            assert {(n.id, n.incarnation) for n in now}.isdisjoint(learned)
+
+            assert upkeep.check() is True
+            assert store.batched_put(keys, values) == (
+                [PutOutcome.DEDUPLICATED] * 32 + [PutOutcome.STORED] * 32
+            )
+            assert [bytes(v) if v is not None else None for v in store.batched_get(keys)] == values
+        # A store that learned the nodes as they are: its first tick sees no change, so it
+        # costs no relearn (the vLLM load path counts 0 control calls).
+        with kvfabric.connect(nodes.url(transport="tcp")) as late:
+            assert late.learned_nodes == {(n.id, n.incarnation) for n in now}
+            assert upkeeps[-1].check() is False

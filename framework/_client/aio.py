@@ -101,6 +101,10 @@ class AsyncStore:
     def records(self) -> RecordIO:
         return self.store.records
 
+    @property
+    def learned_nodes(self) -> frozenset[tuple[int, int]] | None:
+        return self.store.learned_nodes
+
     def controller_restarted(self, epoch: int) -> None:
         self.store.controller_restarted(epoch)
 

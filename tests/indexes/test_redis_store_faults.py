@@ -292,7 +292,8 @@ def test_nodes_back_under_new_incarnations_before_the_first_tick_are_relearned(
 
             redis_single.restart(redis_single.servers[0].port)
             # Until both nodes are back and have reported what they hold (read past the
-            # store, whose routes are what is tested).
+            # store, whose routes are what is tested). A node finishes its restore itself,
+            # right after reporting; the registry keeps its registration's flag.
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 try:
@@ -300,15 +301,20 @@ def test_nodes_back_under_new_incarnations_before_the_first_tick_are_relearned(
                     found = sum(d is not None for d in nodes.index().resolve(keys[:32]))
                 except KvfabricError:
                     now, found = [], 0
-                if len(now) == 2 and found == 32 and not any(n.restoring for n in now):
+                back = {(n.id, n.incarnation) for n in now}
+                if len(back) == 2 and back.isdisjoint(learned) and found == 32:
                     break
                 time.sleep(0.1)
-            assert {(n.id, n.incarnation) for n in now}.isdisjoint(learned)
+            else:
+                pytest.fail(f"the nodes did not come back within 30 s: {now}, {found} found")
 
             assert upkeep.check() is True
-            assert store.batched_put(keys, values) == (
-                [PutOutcome.DEDUPLICATED] * 32 + [PutOutcome.STORED] * 32
-            )
+            # Every put lands on the nodes as they are now (none fails for a stale route);
+            # a restored key may be stored again rather than deduplicated, by a client whose
+            # index view has not caught up yet: never a wrong value.
+            outcomes = store.batched_put(keys, values)
+            assert set(outcomes[:32]) <= {PutOutcome.DEDUPLICATED, PutOutcome.STORED}
+            assert outcomes[32:] == [PutOutcome.STORED] * 32
             assert [bytes(v) if v is not None else None for v in store.batched_get(keys)] == values
         # A store that learned the nodes as they are: its first tick sees no change, so it
         # costs no relearn (the vLLM load path counts 0 control calls).

@@ -11,15 +11,20 @@ into fresh memory otherwise traps once per 4 KiB page, in the node and in every 
 mapping it. It takes about a second per few GiB (the node's ready line and its
 ``prefault_ms``); turn it off for capacities the machine should only commit as they fill.
 
-With ``dram.huge_pages=true`` each region asks for 2 MiB pages (``madvise``), which the
-kernel grants where its policy for shared memory allows (``kvfabric.spi.huge_pages``). Page
-tables then take 4 KiB per GiB instead of 2 MiB, in the node and in every shm client mapping
-its regions (2 GiB: 4.4 MB of them against 0.26), and shm reads ran ~2% faster. But on the
-2-core VM kvfabric is built on, preparing 2 GiB took 2.2-2.4 s instead of 0.6-0.8 (the
-cause, in the kernel's allocation of each 2 MiB page, was not isolated), which every
-restart pays; so it is off unless asked for. The node's ready line
-and its ``huge_page_bytes`` say what it got (under the kernel policy ``always`` regions get
-huge pages without asking).
+Each region asks for 2 MiB pages (``madvise``; ``dram.huge_pages``, on by default), which
+the kernel grants where its policy for shared memory allows (``kvfabric.spi.huge_pages``;
+many distributions ship ``never``, where asking changes nothing). Page tables then take
+4 KiB per GiB instead of 2 MiB, in the node and in every shm client mapping its regions
+(2 GiB: 4.4 MB of them against 0.26), and every 4 KiB a read touches no longer costs a TLB
+miss. How much that buys depends on the host. On the 2-core VM kvfabric is built on, with
+the policy at ``advise``: on one host, shm reads of 64 x 4 MiB ran 2% faster and preparing
+2 GiB took 2.2-2.4 s instead of 0.6-0.8, so this was off by default; on a later one (a
+virtual machine where a TLB miss costs more), a copy out of a region ran at 4.7-5.5 GB/s
+instead of 3.7, ``kvfabric bench``'s shm get at 0.85x memcpy instead of 0.59-0.76x, and
+preparing 2 GiB took 0.29-0.37 s instead of 0.86-0.88. Turn it off
+(``dram.huge_pages=false``) where the start matters more and huge pages come slowly (a
+fragmented host). The node's ready line and its ``huge_page_bytes`` say what it got (under
+the kernel policy ``always`` regions get huge pages without asking).
 """
 
 from __future__ import annotations
@@ -76,9 +81,10 @@ class DramBackend(Backend):
         OptionSpec(
             name="huge_pages",
             parse=parse_bool,
-            default=False,
+            default=True,
             help="ask for 2 MiB pages (madvise), granted where the kernel's "
-            "transparent_hugepage/shmem_enabled allows: faster shm reads, slower start",
+            "transparent_hugepage/shmem_enabled allows: fewer page tables and TLB misses "
+            "(faster shm reads); false on a fragmented host where they come slowly",
         ),
     )
 
@@ -98,7 +104,7 @@ class DramBackend(Backend):
         # Names unique to this backend, so that smaps tells its mappings from another's
         # (several embedded stores may live in one process).
         self._name = f"kvfabric-region-{secrets.token_hex(4)}-"
-        self._advise = bool(config.options.get("huge_pages", False))
+        self._advise = bool(config.options.get("huge_pages", True))
         self._pages: tuple[float, int] | None = None  # (when, huge_page_bytes)
         remaining = config.capacity
         try:

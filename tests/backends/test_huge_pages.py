@@ -1,5 +1,5 @@
-"""The ``dram`` backend asks for 2 MiB pages when told to (``dram.huge_pages=true``) and says
-what it got (``huge_page_bytes``, and in the node's ready line).
+"""The ``dram`` backend asks for 2 MiB pages unless told not to (``dram.huge_pages=false``)
+and says what it got (``huge_page_bytes``, and in the node's ready line).
 
 Whether the kernel grants them is the host's policy for shared memory
 (``/sys/kernel/mm/transparent_hugepage/shmem_enabled``), which these tests read but never
@@ -69,7 +69,7 @@ def _huge_page_bytes(backend: Backend) -> int:
 
 
 def test_every_region_asks_for_huge_pages_and_the_count_follows_the_kernel_policy() -> None:
-    backend = _dram(huge_pages="true")
+    backend = _dram()
     try:
         for region in backend.regions():
             pages = mapped_pages(_memfd_name(region.path))
@@ -85,8 +85,8 @@ def test_every_region_asks_for_huge_pages_and_the_count_follows_the_kernel_polic
         backend.close()
 
 
-def test_by_default_the_regions_do_not_ask_for_huge_pages() -> None:
-    backend = _dram()
+def test_told_not_to_the_regions_do_not_ask_for_huge_pages() -> None:
+    backend = _dram(huge_pages="false")
     try:
         for region in backend.regions():
             pages = mapped_pages(_memfd_name(region.path))

@@ -118,7 +118,10 @@ class DramBackend(Backend):
             self.close()
             raise
         if self._advise and not policy_grants_advised():
-            log.info(
+            # Debug, not info: asking is the default, so on a host that grants nothing this
+            # is the usual case, and a node's start says nothing it need not (the ready line
+            # and huge_page_bytes say what it got).
+            log.debug(
                 "kvfabric dram backend: regions on 4 KiB pages (the kernel's shared-memory "
                 "huge page policy is %r; 'advise' in %s lets them have 2 MiB pages)",
                 shmem_huge_policy(),

@@ -497,9 +497,10 @@ class RedisIndex(IndexPlugin):
             self._run(calls)
 
     def restore(self, node: int, records: Sequence[Descriptor]) -> int:
-        view = self._current()
-        if node not in view.nodes:
-            view = self._refresh()
+        # Read the registry afresh (once per registration): a view cached before Redis came
+        # back empty can list this node's id with its old arenas, so every claim went to
+        # arenas that no longer exist and the node's records were not restored.
+        view = self._refresh()
         holders = [a for a in view.arenas.values() if a.node == node]
         if not holders or not view.ring:
             return 0
@@ -610,7 +611,7 @@ class RedisIndex(IndexPlugin):
         return flags
 
     def restore_done(self, node: int) -> None:
-        view = self._current()
+        view = self._refresh()  # as in restore: the node's arenas as registered now
         calls = [self._call(a, "kvf1_restore_done") for a in view.arenas.values() if a.node == node]
         for value in self._run(calls).values:
             _raise_unexpected(value)

@@ -33,6 +33,7 @@ import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 
+import attrs
 import numpy as np
 
 from kvfabric._wire.protocol import ImageLocation
@@ -167,6 +168,18 @@ class MappedImage(ImageReader):
                 self._owned.close()
 
 
+@attrs.frozen
+class _Landing:
+    """Where one catch-up's read lands: the header, ring entries ``first ..`` (``count``),
+    and the segments that read them."""
+
+    first: int
+    count: int
+    header: bytearray
+    entries: memoryview
+    segments: list[Segment]
+
+
 class RemoteImage(ImageReader):
     """An image read through a transport client, probed in a mirror kept up to date."""
 
@@ -183,6 +196,8 @@ class RemoteImage(ImageReader):
         self._cursor = 0
         """The first rewrite the mirror lacks."""
         self._chunk = _MIN_CHUNK
+        self._spare: _Landing | None = None
+        """The last catch-up's buffers, for the next one reading the same range."""
 
     @classmethod
     def connect(
@@ -234,16 +249,22 @@ class RemoteImage(ImageReader):
 
     # -- keeping the mirror ------------------------------------------------------------------
 
-    def _read(self, pieces: Sequence[tuple[int, memoryview]]) -> bool:
-        """Land ``(image offset, destination)`` pieces in one batch (one round trip)."""
+    def _read(self, pieces: Sequence[tuple[int, memoryview]], *, small: bool = True) -> bool:
+        """Land ``(image offset, destination)`` pieces in one batch (one round trip);
+        ``small``: a header and ring entries, the transport's least-work read."""
         rkey = self._rkey
-        segments = [Segment(IMAGE_REGION, rkey, offset, dest) for offset, dest in pieces]
+        return self._move(
+            [Segment(IMAGE_REGION, rkey, offset, dest) for offset, dest in pieces], small
+        )
+
+    def _move(self, segments: Sequence[Segment], small: bool) -> bool:
         try:
-            errors = self._client.read(IMAGE_NODE, segments)
+            if small:
+                return self._client.read_small(IMAGE_NODE, segments)
+            return not any(self._client.read(IMAGE_NODE, segments))
         except KvfabricError as exc:
             log.debug("kvfabric: lookup image read failed: %s", exc)
             return False
-        return all(error is None for error in errors)
 
     def _entries(self, first: int, count: int) -> tuple[memoryview, list[tuple[int, memoryview]]]:
         """A buffer for ring entries ``first ..`` and the pieces that land them."""
@@ -256,21 +277,38 @@ class RemoteImage(ImageReader):
             at += n
         return buffer, landing
 
+    def _landing(self, first: int, count: int) -> _Landing:
+        """Buffers and segments for the header and ring entries ``first ..``: the last
+        lookup's when it read the same range (a quiet image: every lookup does), else new.
+        Taken under the lock; a lookup running meanwhile makes its own."""
+        spare = self._spare
+        if spare is not None and spare.first == first and spare.count == count:
+            self._spare = None
+            return spare
+        header = bytearray(IMAGE_HEADER_SIZE)
+        entries, pieces = self._entries(first, count)
+        rkey = self._rkey
+        segments = [
+            Segment(IMAGE_REGION, rkey, offset, dest)
+            for offset, dest in [(0, memoryview(header)), *pieces]
+        ]
+        return _Landing(first, count, header, entries, segments)
+
     def _catch_up(self) -> tuple[bool, int]:
         """Apply every rewrite logged before the head read now: ``(fresh, round trips)``."""
         trips = 0
         for _ in range(_MAX_READS):
             with self._lock:
-                first, chunk = self._cursor, self._chunk
-            header = bytearray(IMAGE_HEADER_SIZE)
-            entries, pieces = self._entries(first, chunk)
+                landing = self._landing(self._cursor, self._chunk)
+            first = landing.first
             trips += 1
-            if not self._read([(0, memoryview(header)), *pieces]):
+            if not self._move(landing.segments, True):
                 return False, trips
             with self._lock:
                 cursor, head, state = image_apply(
-                    self._mirror, header, entries, first, self._cursor
+                    self._mirror, landing.header, landing.entries, first, self._cursor
                 )
+                self._spare = landing
                 self._cursor = max(self._cursor, cursor)
                 # Read twice what this lookup found next time: a burst of writes is caught
                 # up in one more read, a quiet image costs a few KiB per lookup.
@@ -305,7 +343,7 @@ class RemoteImage(ImageReader):
             for offset in range(IMAGE_HEADER_SIZE, geometry.buckets_end, _COPY_PIECE)
         ]
         entries, pieces = self._entries(head, self._chunk)
-        if not self._read([(0, memoryview(again)), *buckets, *pieces]):
+        if not self._read([(0, memoryview(again)), *buckets, *pieces], small=False):
             return -1
         mirror[:IMAGE_HEADER_SIZE] = again
         cursor, _, state = image_apply(mirror, again, entries, head, head)

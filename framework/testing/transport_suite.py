@@ -355,6 +355,44 @@ class TransportConformance:
         assert client.read(1, [Segment(handle.region, handle.rkey, 0, dest.data)]) == [None]
         assert np.array_equal(dest, source)
 
+    # -- small reads (the lookup image's) --------------------------------------------------
+
+    def test_a_small_read_lands_every_segment_and_says_so(
+        self, client: TransportClient, endpoint: NodeEndpoint
+    ) -> None:
+        data = _pattern(8192, 40)
+        assert client.write(1, [segment_for(endpoint, 0, 0, data)]) == [None]
+        header, log = bytearray(64), bytearray(6144)
+        reads = [segment_for(endpoint, 0, 0, header), segment_for(endpoint, 0, 2048, log)]
+        for _ in range(3):  # again and again, as an image reader does
+            header[:], log[:] = bytes(64), bytes(6144)
+            assert client.read_small(1, reads) is True
+            assert header == data[:64]
+            assert log == data[2048 : 2048 + 6144]
+
+    def test_a_small_read_with_a_refused_segment_says_so_and_the_next_one_works(
+        self, client: TransportClient, endpoint: NodeEndpoint
+    ) -> None:
+        data = _pattern(4096, 41)
+        assert client.write(1, [segment_for(endpoint, 0, 0, data)]) == [None]
+        handle = endpoint.regions[0]
+        dest = bytearray(64)
+        for bad in (
+            Segment(handle.region, handle.rkey ^ 1, 0, memoryview(bytearray(64))),
+            Segment(handle.region, handle.rkey, handle.size - 8, memoryview(bytearray(64))),
+            Segment(999, handle.rkey, 0, memoryview(bytearray(64))),
+        ):
+            assert client.read_small(1, [segment_for(endpoint, 0, 0, dest), bad]) is False
+        dest[:] = bytes(64)
+        assert client.read_small(1, [segment_for(endpoint, 0, 0, dest)]) is True
+        assert dest == data[:64]
+
+    def test_a_small_read_from_a_node_never_connected_is_a_transport_error(
+        self, client: TransportClient
+    ) -> None:
+        with pytest.raises(TransportError):
+            client.read_small(77, [Segment(0, 1, 0, memoryview(bytearray(8)))])
+
     # -- checksums with the bytes ---------------------------------------------------------
 
     def test_a_checksummed_read_gives_each_span_the_crc_of_what_landed(

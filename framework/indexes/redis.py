@@ -92,6 +92,10 @@ _KINDS = {
 # Every arena's lease expiry and retired slots are also swept by allocations in that arena;
 # tick sweeps all arenas this often, so the gauges stay right where nobody writes.
 _UPKEEP_INTERVAL = 5.0
+# kvf1_init: a round cleared a batch of what an older registry's arena left; rounds at most
+# (each clears up to 500 records and 500 entries: millions in all).
+_INIT_CLEARING = 2
+_INIT_ROUNDS = 10_000
 
 _CLIENT_COUNTERS = (
     "lookups",
@@ -383,7 +387,7 @@ class RedisIndex(IndexPlugin):
         _, incarnation, _, created, dropped = reply
         try:
             view = self._refresh()
-            self._init_arenas([view.arenas[int(a)] for a in created if int(a) in view.arenas])
+            self._init_arenas(view, [view.arenas[int(a)] for a in created if int(a) in view.arenas])
             self._drop_arenas([int(a) for a in dropped])
         except KvfabricError as exc:
             # The registry holds the node now, and clients may be writing to it (its arenas
@@ -407,25 +411,44 @@ class RedisIndex(IndexPlugin):
         self._refresh()
         return self._drop_arenas([int(a) for a in dropped])
 
-    def _init_arenas(self, arenas: Sequence[Arena]) -> None:
-        calls = [
-            self._call(
-                arena,
-                "kvf1_init",
-                arena.node,
-                arena.region,
-                arena.base,
-                arena.size,
-                arena.rkey,
-                arena.id,
-                arena.id % 4096,
-                1 if arena.restoring else 0,
-                arena.rkey.to_bytes(8, "little"),
-            )
-            for arena in arenas
-        ]
-        for value in self._run(calls).values:
-            _raise_unexpected(value)
+    def _init_arenas(self, view: _View, arenas: Sequence[Arena]) -> None:
+        """Make ``arenas`` of ``view``'s registry where they are not made yet (idempotent).
+
+        Each carries the registry's birth: an arena an older registry made under the same id
+        (a Redis restarted empty gives ids out again, and a client that read the old registry
+        can make its arena in the new Redis) is cleared and made again, a batch per round.
+        """
+        left = list(arenas)
+        for _ in range(_INIT_ROUNDS):
+            calls = [
+                self._call(
+                    arena,
+                    "kvf1_init",
+                    arena.node,
+                    arena.region,
+                    arena.base,
+                    arena.size,
+                    arena.rkey,
+                    arena.id,
+                    arena.id % 4096,
+                    1 if arena.restoring else 0,
+                    arena.rkey.to_bytes(8, "little"),
+                    view.born,
+                )
+                for arena in left
+            ]
+            again = []
+            for arena, value in zip(left, self._run(calls).values, strict=True):
+                _raise_unexpected(value)
+                if value == _INIT_CLEARING:
+                    again.append(arena)
+            if not again:
+                return
+            left = again
+        raise ControllerUnavailableError(
+            f"arenas {[a.id for a in left]} still hold what an older registry left after "
+            f"{_INIT_ROUNDS} rounds of clearing"
+        )
 
     def _drop_arenas(self, arena_ids: Sequence[int]) -> int:
         """Delete arenas' keys (a batch per call until none is left); returns the entries that
@@ -615,6 +638,11 @@ class RedisIndex(IndexPlugin):
         calls = [self._call(a, "kvf1_restore_done") for a in view.arenas.values() if a.node == node]
         for value in self._run(calls).values:
             _raise_unexpected(value)
+        info = view.nodes.get(node)
+        if info is not None and info.restoring:
+            # The registry too (it listed the node and its arenas as restoring for good).
+            record = attrs.evolve(info, restoring=False, incarnation=0).to_bytes()
+            self._registry_call("kvf1_restored", node, info.incarnation, record)
 
     # -- what clients call ----------------------------------------------------------------------
 
@@ -852,7 +880,7 @@ class RedisIndex(IndexPlugin):
             # keys' arenas now (once), the grants they got given back first.
             self._count(stale_arenas=len(gone))
             view = self._refresh()
-            self._init_arenas([view.arenas[a.id] for a in gone if a.id in view.arenas])
+            self._init_arenas(view, [view.arenas[a.id] for a in gone if a.id in view.arenas])
             retried = self._allocate_copies(
                 view,
                 [requests[i] for i in again],
@@ -880,7 +908,7 @@ class RedisIndex(IndexPlugin):
         view = self._refresh()
         registered = [a for a, _, _ in gone if a.id in view.arenas]
         if registered:
-            self._init_arenas([view.arenas[a.id] for a in registered])
+            self._init_arenas(view, [view.arenas[a.id] for a in registered])
         if not view.ring:
             return []
         indexes = [i for _, group_indexes, _ in gone for i in group_indexes]

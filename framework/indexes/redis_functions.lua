@@ -10,7 +10,8 @@ in Redis Cluster:
 * an arena: a contiguous part of one region and everything about the records placed in it
   (hash tag chosen per arena). KEYS[1] is the arena's meta hash "<P>m"; the other keys share
   the prefix P, so they live in the same slot:
-    <P>m         meta: node, region, base, size, rkey, id, lo, restoring, gauges, counters
+    <P>m         meta: node, region, base, size, rkey, id, lo, restoring, the birth of the
+                 registry that listed it, gauges, counters
     <P>e:<key>   one entry per key (a packed string; a grant being written has a PX lease)
     <P>fo <P>fe  free extents by offset -> size and by end -> offset
     <P>fs        free extents sorted by size (best fit)
@@ -22,6 +23,7 @@ in Redis Cluster:
     <P>p         grants by lease deadline
     <P>x         keys of entries whose record lives in another arena (restored records)
     <P>cz        offsets of records claimed while the node reports them (restore)
+    <P>c         while what an older registry's arena left is cleared: the newer birth
 
 An entry starts with its descriptor in kvfabric's wire form ('<c32I4I4I8I8c8c8I4': key,
 node, region, offset, length, rkey, version, crc), so a lookup returns it as it is, then
@@ -736,12 +738,64 @@ end
 
 -- -- arena lifecycle ------------------------------------------------------------------------
 
--- ARGV: node, region, base, size, rkey, id, lo, restoring, rkey as 8 bytes. Idempotent.
+-- Deletes up to DROP_BATCH of an arena's occupants and foreign entries (``notices``, when
+-- given, gets one per record held here for an entry elsewhere); returns how many are left,
+-- and deletes the arena's other keys once none is.
+local function clear_batch(p, notices)
+  local dropped = 0
+  local offs = redis.call('HRANDFIELD', p .. 'o', DROP_BATCH)
+  for _, o in ipairs(offs) do
+    local oc = occ_parse(tonumber(o), redis.call('HGET', p .. 'o', o))
+    if oc.kind == OCC_ENTRY then
+      dropped = dropped + redis.call('DEL', p .. 'e:' .. oc.key)
+    elseif notices then
+      local home, ver = struct.unpack('<I8c8', oc.extra)
+      notices[#notices + 1] = {fmt(home), o, oc.key, ver}
+    end
+    redis.call('HDEL', p .. 'o', o)
+  end
+  local foreign = redis.call('SPOP', p .. 'x', DROP_BATCH)
+  for _, key in ipairs(foreign) do redis.call('DEL', p .. 'e:' .. key) end
+  local left = redis.call('HLEN', p .. 'o') + redis.call('SCARD', p .. 'x')
+  if left == 0 then
+    redis.call('DEL', p .. 'fo', p .. 'fe', p .. 'fs', p .. 'oe', p .. 'r', p .. 're',
+      p .. 'rq', p .. 'p', p .. 'cz')
+  end
+  return left, dropped
+end
+
+-- ARGV: node, region, base, size, rkey, id, lo, restoring, rkey as 8 bytes, the birth of
+-- the registry that lists the arena. Idempotent for one registry. Returns 1 (made), 0 (not
+-- made: there already, or left to whoever clears what is there), or 2 (a batch of what an
+-- older registry's arena under this id left was cleared: call again).
+--
+-- Arena ids start again with a registry made afresh (a Redis restarted empty), and an
+-- initialisation read from the old registry can reach the new Redis after the restart: it
+-- makes the old arena (another node's, or not restoring) under an id the new registry then
+-- gives to another arena. So the registry listing the id now wins: an arena an older one
+-- made is cleared and made again (under the key ``c``, the newer birth, until it is), one
+-- a newer one made is left as it is. An arena is made only on a clean slate: what a drop
+-- is still deleting is left to it (it sends the notices).
 local function init(keys, args)
-  if redis.call('EXISTS', keys[1]) == 1 then return 0 end
+  -- A client before births were passed sends none: 0, older than any registry.
+  args[10] = args[10] or '0'
+  local born = tonumber(args[10])
+  local p = string.sub(keys[1], 1, -2)
+  if redis.call('EXISTS', keys[1]) == 1 then
+    if tonumber(redis.call('HGET', keys[1], 'born') or '0') >= born then return 0 end
+    redis.call('DEL', keys[1])
+    redis.call('SET', p .. 'c', args[10])
+  end
+  local clearing = tonumber(redis.call('GET', p .. 'c') or '0')
+  if clearing > born then return 0 end
+  if clearing == 0 and redis.call('HLEN', p .. 'o') + redis.call('SCARD', p .. 'x') > 0 then
+    return 0
+  end
+  if clear_batch(p, nil) > 0 then return 2 end
+  redis.call('DEL', p .. 'c')
   redis.call('HSET', keys[1], 'node', args[1], 'region', args[2], 'base', args[3],
     'size', args[4], 'rkey', args[5], 'id', args[6], 'lo', args[7], 'restoring', args[8],
-    'rkey8', args[9],
+    'rkey8', args[9], 'born', args[10],
     'free', '0', 'retired', '0', 'n_pub', '0', 'n_pend', '0', 'payload', '0', 'vc', '0',
     'tok', '0')
   if args[8] ~= '1' then
@@ -758,25 +812,8 @@ end
 local function drop(keys, args)
   local p = string.sub(keys[1], 1, -2)
   redis.call('DEL', keys[1])
-  local dropped, notices = 0, {}
-  local offs = redis.call('HRANDFIELD', p .. 'o', DROP_BATCH)
-  for _, o in ipairs(offs) do
-    local oc = occ_parse(tonumber(o), redis.call('HGET', p .. 'o', o))
-    if oc.kind == OCC_ENTRY then
-      dropped = dropped + redis.call('DEL', p .. 'e:' .. oc.key)
-    else
-      local home, ver = struct.unpack('<I8c8', oc.extra)
-      notices[#notices + 1] = {fmt(home), o, oc.key, ver}
-    end
-    redis.call('HDEL', p .. 'o', o)
-  end
-  local foreign = redis.call('SPOP', p .. 'x', DROP_BATCH)
-  for _, key in ipairs(foreign) do redis.call('DEL', p .. 'e:' .. key) end
-  local left = redis.call('HLEN', p .. 'o') + redis.call('SCARD', p .. 'x')
-  if left == 0 then
-    redis.call('DEL', p .. 'fo', p .. 'fe', p .. 'fs', p .. 'oe', p .. 'r', p .. 're',
-      p .. 'rq', p .. 'p', p .. 'cz')
-  end
+  local notices = {}
+  local left, dropped = clear_batch(p, notices)
   return {dropped, left, notices}
 end
 
@@ -1081,6 +1118,25 @@ local function silent(keys, args)
   return out
 end
 
+-- ARGV: id, incarnation, the node's record as registered less its restoring flag. The node
+-- reported its records (its arenas took them): the registry lists it, and its arenas, as not
+-- restoring, so an arena made again from the registry (its keys lost with a shard) takes
+-- grants at once. 0 when that incarnation is not the registered one.
+local function restored(keys, args)
+  local R = registry_prefix(keys)
+  local id = args[1]
+  if redis.call('HGET', R .. 'inc', id) ~= args[2] then return 0 end
+  redis.call('HSET', R .. 'nodes', id, args[3])
+  for _, arena in ipairs(redis.call('HVALS', R .. 'na:' .. id)) do
+    local record = redis.call('HGET', R .. 'arenas', arena)
+    if record and string.sub(record, -2) == '|1' then
+      redis.call('HSET', R .. 'arenas', arena, string.sub(record, 1, -2) .. '0')
+    end
+  end
+  redis.call('HINCRBY', keys[1], 'epoch', 1)
+  return 1
+end
+
 -- ARGV: arena ids whose keys are all deleted.
 local function forget_dropped(keys, args)
   local R = registry_prefix(keys)
@@ -1125,4 +1181,5 @@ redis.register_function('kvf1_register', register)
 redis.register_function('kvf1_remove', remove)
 redis.register_function('kvf1_heartbeat', heartbeat)
 redis.register_function('kvf1_forget_dropped', forget_dropped)
+redis.register_function('kvf1_restored', restored)
 redis.register_function('kvf1_purge', purge)

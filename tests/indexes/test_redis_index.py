@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import attrs
 import pytest
-from redis_fixtures import keys_left, redis_index
+from redis_fixtures import keys_left, namespace, redis_index
 
 from kvfabric._tools.redis_cluster import RedisDeployment
 from kvfabric.descriptor import Descriptor
@@ -331,6 +332,103 @@ def test_a_record_restored_where_another_arena_owns_its_key(redis_single: RedisD
     finally:
         index.purge()
         index.close()
+
+
+def test_a_node_done_restoring_is_listed_as_such_and_its_lost_arena_takes_grants_again(
+    redis_single: RedisDeployment,
+) -> None:
+    """After ``restore_done`` the registry lists the node and its arenas as not restoring:
+    an arena whose keys were lost (a shard that lost its data) is made again from the
+    registry and takes grants at once. (The registry kept the registration's flag: the
+    arena was made again restoring, refusing every grant for good.)"""
+    index = redis_index(redis_single, IndexConfig(grace=0.0, headroom=0.0))
+    assert isinstance(index, RedisIndex)
+    try:
+        node = index.register_node(_node("n1", _MIB, restoring=True))
+        assert [n.restoring for n in index.nodes()] == [True]
+        index.restore_done(node.id)
+        assert [n.restoring for n in index.nodes()] == [False]
+        assert [(n.id, n.incarnation) for n in index.nodes()] == [(node.id, node.incarnation)]
+        client = redis_single.client(redis_single.servers[0].port)
+        [arena] = index._refresh().arenas.values()
+        assert not arena.restoring
+        lost = list(client.scan_iter(match=arena.prefix + b"*"))
+        assert lost
+        client.delete(*lost)
+        assert _put(index, _keys(8)) == [AllocationKind.GRANTED] * 8
+    finally:
+        index.purge()
+        index.close()
+
+
+def test_an_arena_made_from_the_old_registry_after_redis_restarted_empty_is_made_again(
+    redis_single: RedisDeployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis restarted empty between a node's reading of the registry and the making of its
+    arena: the old registry's arena is made in the new Redis, under an id the new registry
+    gives out again. When the node registers again (restoring), the making of its new arena
+    clears that one and makes it as listed now, and every record the node reports is
+    restored. (It was kept: every claim was refused, "restored 0 of 21 records", seen with
+    node processes beside a busy one.) An older registry's making of it later changes
+    nothing."""
+    config = IndexConfig(grace=0.0, headroom=0.0)
+    shared = namespace()
+    first = redis_index(redis_single, config, namespace=shared)
+    second = redis_index(redis_single, config, namespace=shared)
+    assert isinstance(first, RedisIndex)
+    assert isinstance(second, RedisIndex)
+    port = redis_single.servers[0].port
+    try:
+        first.register_node(_node("n1", _MIB))
+        read = second._refresh
+        before_restart: list[Any] = []
+
+        def read_then_restart(*, force: bool = False) -> Any:
+            view = read(force=force)
+            before_restart.append(view)
+            redis_single.restart(port)
+            monkeypatch.setattr(second, "_refresh", read)
+            return view
+
+        monkeypatch.setattr(second, "_refresh", read_then_restart)
+        second.register_node(_node("n2", _MIB))  # its arena is made in the new, empty Redis
+        [old_view] = before_restart
+
+        again = [
+            first.register_node(_node("n1", _MIB, restoring=True)),
+            second.register_node(_node("n2", _MIB, restoring=True)),
+        ]
+        reported: list[bytes] = []
+        expected: list[tuple[int, int, int]] = []
+        for index, node in zip((first, second), again, strict=True):
+            records = [
+                Descriptor(
+                    key=k,
+                    node=0,
+                    region=0,
+                    offset=i * 4096,
+                    length=1000,
+                    rkey=0,
+                    version=i + 1,
+                    crc=9,
+                )
+                for i, k in enumerate(_keys(20, salt=node.name.encode()))
+            ]
+            assert index.restore(node.id, records) == len(records)
+            index.restore_done(node.id)
+            reported += [r.key for r in records]
+            expected += [(node.id, r.offset, r.version) for r in records]
+        # The older registry's making of the id now given to n2's arena leaves it as it is.
+        stale = [a for a in old_view.arenas.values() if a.node == again[1].id]
+        assert stale
+        second._init_arenas(old_view, stale)
+        found = first.resolve(reported)
+        assert [(d.node, d.offset, d.version) if d else None for d in found] == expected
+        assert _put(first, _keys(8)) == [AllocationKind.GRANTED] * 8
+    finally:
+        first.purge()
+        first.close()
+        second.close()
 
 
 def test_evicting_a_restored_record_drops_its_entry_in_the_other_arena(

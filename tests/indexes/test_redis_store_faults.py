@@ -294,9 +294,7 @@ def test_nodes_back_under_new_incarnations_before_the_first_tick_are_relearned(
             # Until both nodes are registered again, under new incarnations (read past the
             # store, whose routes are what is tested). Another client ticks the index
             # meanwhile, as every client of a deployment does (this store's ticks are the
-            # test's). Whether each node's records are restored is not asserted here: a
-            # node registering about a second after the other can come back without them
-            # (open; docs/redis.md).
+            # test's).
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 try:
@@ -311,11 +309,15 @@ def test_nodes_back_under_new_incarnations_before_the_first_tick_are_relearned(
                 pytest.fail(f"the nodes did not register again within 30 s\n{nodes.tail()}")
 
             assert upkeep.check() is True
-            # Every put lands on the nodes as they are now (none fails for a stale route); a
-            # key whose record was not restored is stored again: never a wrong value.
+            # Each node reports its records once registered: every key is found again (a
+            # node registering while Redis restarted used to restore none of its own).
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and store.batched_contains(keys[:32]) < 32:
+                time.sleep(0.1)
+            assert store.batched_contains(keys[:32]) == 32, nodes.tail()
+            # Every put lands on the nodes as they are now: none fails for a stale route.
             outcomes = store.batched_put(keys, values)
-            assert set(outcomes[:32]) <= {PutOutcome.DEDUPLICATED, PutOutcome.STORED}
-            assert outcomes[32:] == [PutOutcome.STORED] * 32
+            assert outcomes == [PutOutcome.DEDUPLICATED] * 32 + [PutOutcome.STORED] * 32
             assert [bytes(v) if v is not None else None for v in store.batched_get(keys)] == values
         # A store that learned the nodes as they are: its first tick sees no change, so it
         # costs no relearn (the vLLM load path counts 0 control calls).

@@ -515,9 +515,10 @@ class MemoryIndex(IndexPlugin):
             self._expire_leases(now)
             self._release_retired(now)
             evictions_before = self._counters["evictions"]
-            out: list[Allocation] = []
-            for req in requests:
-                out.append(self._allocate_one(req, now))
+            # Region sizes do not change while the lock is held: the largest record any
+            # region taking grants could hold, once per call rather than per key.
+            largest = max((s.size for s in self._regions.values() if s.restored is None), default=0)
+            out = [self._allocate_one(req, now, largest) for req in requests]
             self._keep_headroom(now)
             return AllocateResult(
                 allocations=tuple(out),
@@ -525,7 +526,7 @@ class MemoryIndex(IndexPlugin):
                 lease=self._lease,
             )
 
-    def _allocate_one(self, req: AllocationRequest, now: float) -> Allocation:
+    def _allocate_one(self, req: AllocationRequest, now: float, largest: int) -> Allocation:
         entry = self._entries.get(req.key)
         if entry is not None:
             if entry.state is _State.PUBLISHED:
@@ -540,7 +541,6 @@ class MemoryIndex(IndexPlugin):
             self._counters["in_flight"] += 1
             return Allocation(kind=AllocationKind.IN_FLIGHT)
         size = record_size(req.length)
-        largest = max((s.size for s in self._regions.values() if s.restored is None), default=0)
         if size > largest:
             # It cannot fit in any region taking grants (the value is larger than every
             # region, or the nodes are still restoring their records): refuse it without

@@ -140,6 +140,7 @@ class _Connection:
         trailer = frame.trailer
         request: list[bytes | memoryview]
         payloads: list[memoryview]
+        sent_crcs: list[int] | None = None
         if trailer is not None:
             start = frame.trailer_start
             # The frame's header and table go first: the spans are shifted past them.
@@ -150,13 +151,37 @@ class _Connection:
             request, payloads = [head, *buffers], []
         else:
             request, payloads = [head], buffers
+        statuses, crcs = self._request(op, rid, count, request, payloads, deadline, crc_spans)
+        return statuses, crcs if sent_crcs is None else sent_crcs
+
+    def read_small(self, segments: Sequence[Segment], deadline: float) -> bool:
+        """:meth:`exchange` of one read frame without CRCs, with less to do: whether every
+        segment landed."""
+        rid = self._next_id
+        self._next_id += 1
+        count = len(segments)
+        head = pack_header(Op.READ, 0, count, rid) + _pack_table(segments)
+        payloads = [seg.buffer for seg in segments]
+        statuses, _ = self._request(Op.READ, rid, count, [head], payloads, deadline, None)
+        return statuses.count(_OK) == count
+
+    def _request(
+        self,
+        op: Op,
+        rid: int,
+        count: int,
+        request: Sequence[bytes | memoryview],
+        payloads: Sequence[memoryview],
+        deadline: float,
+        crc_spans: Sequence[tuple[int, int]] | None,
+    ) -> tuple[bytes, list[int]]:
+        """Send the request and take the reply of frame ``rid`` (``count`` segments), then
+        each payload the node accepted: the status table and the CRCs of ``crc_spans``."""
         reply = memoryview(bytearray(HEADER.size + count))
         try:
             crcs = self.stream.request_reply(
                 request, reply, payloads, deadline, status_offset=HEADER.size, crc_spans=crc_spans
             )
-            if trailer is not None:
-                crcs = sent_crcs
         except PeerClosed as closed:
             # An error reply is a bare header, then the node closes: read what it says.
             if closed.received >= HEADER.size:
@@ -169,35 +194,6 @@ class _Connection:
         if statuses and max(statuses) > _MAX_STATUS:
             raise ProtocolError("unknown segment status in reply")
         return statuses, crcs
-
-    def read_small(self, segments: Sequence[Segment], deadline: float) -> bool:
-        """:meth:`exchange` of one read frame without CRCs, with less to do: whether every
-        segment landed."""
-        rid = self._next_id
-        self._next_id += 1
-        count = len(segments)
-        head = pack_header(Op.READ, 0, count, rid) + _pack_table(segments)
-        reply = memoryview(bytearray(HEADER.size + count))
-        try:
-            self.stream.request_reply(
-                [head],
-                reply,
-                [seg.buffer for seg in segments],
-                deadline,
-                status_offset=HEADER.size,
-                crc_spans=None,
-            )
-        except PeerClosed as closed:
-            if closed.received >= HEADER.size:
-                _check_reply(reply, Op.READ, rid, count)
-            raise
-        _check_reply(reply, Op.READ, rid, count)
-        statuses = bytes(reply[HEADER.size :])
-        if statuses.count(_OK) == count:
-            return True
-        if max(statuses) > _MAX_STATUS:
-            raise ProtocolError("unknown segment status in reply")
-        return False
 
     def close(self) -> None:
         self.stream.close()

@@ -30,6 +30,7 @@ sees the use.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import threading
 import time
@@ -72,6 +73,9 @@ _EVICTION_SAMPLE = 8
 # How many candidate windows (around the oldest entries, and around retired slots) a put
 # that does not fit prices before evicting the cheapest.
 _WINDOW_SEEDS = 16
+# How far past the head of the retirement queue a put looks for retired slots to seed
+# windows with (slots reused early are skipped, so more than the seeds it wants).
+_RETIRED_LOOKAHEAD = 4 * _WINDOW_SEEDS
 
 _COUNTERS = (
     "lookups",
@@ -754,11 +758,7 @@ class MemoryIndex(IndexPlugin):
             s.allocator.largest_free() >= size and s.node not in exclude
             for s in self._regions.values()
         ):
-            plans = [
-                plan
-                for plan in self._candidate_windows(size, now)
-                if plan is not None and plan.space.node not in exclude
-            ]
+            plans = self._candidate_windows(size, now, exclude)
             if plans:
                 self._evict_window(min(plans, key=lambda plan: plan.cost), now)
                 return
@@ -767,27 +767,46 @@ class MemoryIndex(IndexPlugin):
             if not self._evict_one(now, immediate=True):
                 return
 
-    def _candidate_windows(self, size: int, now: float) -> list[Plan | None]:
+    def _candidate_windows(self, size: int, now: float, exclude: set[int]) -> list[Plan]:
+        """Windows that would hold ``size`` bytes on nodes not in ``exclude``; a single one
+        when a window evicting nothing exists (none is cheaper)."""
+
         def keep_value(key: bytes) -> float | None:
             entry = self._entries[key]
             if entry.state is not _State.PUBLISHED:
                 return None  # being written: never evicted
             return _weight(entry) / (now - entry.last_use + 1e-3)
 
-        plans: list[Plan | None] = []
+        plans: list[Plan] = []
+        # A slot reused before its grace ended stays queued until its time comes. Under
+        # churn such slots pile up at the head by the thousand (the oldest retired slots are
+        # the seeds reused first), and every put that did not fit walked past all of them:
+        # drop those at the head, and look at a bounded stretch past it.
+        retired = self._retired
+        while retired and not _still_retired(retired[0]):
+            retired.popleft()
+        seeds = 0
+        for queued in itertools.islice(retired, _RETIRED_LOOKAHEAD):
+            if seeds == _WINDOW_SEEDS:
+                break
+            space = queued[1]
+            if space.node in exclude or not _still_retired(queued):
+                continue
+            seeds += 1
+            plan = space.plan(queued[2], size, keep_value)
+            if plan is not None:
+                if not plan.victims:
+                    # Retired and free space only: nothing cheaper exists (under churn of
+                    # equal-sized values, the common case), so price nothing else.
+                    return [plan]
+                plans.append(plan)
         for key in self._oldest(_WINDOW_SEEDS):
             d = self._entries[key].descriptor
             space = self._regions.get((d.node, d.region))
-            if space is not None:
-                plans.append(space.plan(d.offset, size, keep_value))
-        seeds = 0
-        for _, space, offset, token in self._retired:
-            if seeds == _WINDOW_SEEDS:
-                break
-            held = space.retired.get(offset)
-            if held is not None and held[1] == token:
-                seeds += 1
-                plans.append(space.plan(offset, size, keep_value))
+            if space is not None and space.node not in exclude:
+                plan = space.plan(d.offset, size, keep_value)
+                if plan is not None:
+                    plans.append(plan)
         return plans
 
     def _evict_window(self, plan: Plan, now: float) -> None:
@@ -926,6 +945,13 @@ class MemoryIndex(IndexPlugin):
                 ),
                 **self._image.stats(),
             }
+
+
+def _still_retired(queued: tuple[float, RegionSpace, int, int]) -> bool:
+    """Whether a queued retirement still holds its slot (not released, nor reused early)."""
+    _, space, offset, token = queued
+    held = space.retired.get(offset)
+    return held is not None and held[1] == token
 
 
 def _weight(entry: _Entry) -> float:

@@ -11,6 +11,7 @@ import pytest
 from manual_clock import Clock
 
 from kvfabric.indexes.memory import MemoryIndex
+from kvfabric.indexes.memory_space import RegionSpace
 from kvfabric.keys import fold_key
 from kvfabric.spi.index import (
     AllocationKind,
@@ -130,6 +131,35 @@ def test_headroom_is_kept_by_evicting_ahead_of_need() -> None:
     stats = index.stats()
     assert stats["free_bytes"] + stats["retired_bytes"] >= int(0.25 * 10 * size)
     assert stats["evictions"] == 30 - stats["entries"]
+
+
+def test_churn_within_the_grace_reuses_retired_slots_pricing_one_window_per_put(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A full store written faster than its grace ends (the clock never moves here): each put
+    reuses a retired slot early, and finding it costs one priced window, not a walk past
+    every slot reused before (that walk once cost ~1 ms a key under churn)."""
+    size = record_size(1000)
+    index, _ = _index(capacity=10 * size, headroom=0.25, grace=5.0)
+    priced = 0
+    plan = RegionSpace.plan
+
+    def counted(self: RegionSpace, *args: object, **kwargs: object) -> object:
+        nonlocal priced
+        priced += 1
+        return plan(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    for i in range(20):
+        _put(index, _key(i))
+    monkeypatch.setattr(RegionSpace, "plan", counted)
+    puts = 2000
+    outcomes = [_put(index, _key(20 + i))[0] for i in range(puts)]
+    assert outcomes == [AllocationKind.GRANTED] * puts
+    assert priced == puts
+    stats = index.stats()
+    assert stats["early_reuse"] >= puts
+    # The queue of retirements holds what is still retired, not every slot reused early.
+    assert len(index._retired) <= 10
 
 
 def test_reregistering_a_node_keeps_its_id_and_entries() -> None:

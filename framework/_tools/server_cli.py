@@ -137,6 +137,7 @@ def _controller_from(
         node_timeout=_duration(args.node_timeout, "--node-timeout"),
         credentials=credentials,
         image_servers=image_servers,
+        freeze_long_lived=True,  # a process of its own (with `serve`, its node's agents)
     )
 
 

@@ -87,6 +87,16 @@ class Reader:
     def f64(self) -> float:
         return float(_F64.unpack_from(self._data, self._take(8))[0])
 
+    def skip(self, n: int) -> int:
+        """Step over ``n`` bytes; where they start in :attr:`data` (read them there, no
+        copy made)."""
+        return self._take(n)
+
+    @property
+    def data(self) -> bytes | memoryview:
+        """The whole buffer read from (offsets as :meth:`skip` returns them)."""
+        return self._data
+
     def raw(self, n: int) -> bytes:
         start = self._take(n)
         return bytes(self._data[start : start + n])

@@ -802,9 +802,9 @@ class MemoryIndex(IndexPlugin):
                 plans.append(plan)
         for key in self._oldest(_WINDOW_SEEDS):
             d = self._entries[key].descriptor
-            space = self._regions.get((d.node, d.region))
-            if space is not None and space.node not in exclude:
-                plan = space.plan(d.offset, size, keep_value)
+            held_in = self._regions.get((d.node, d.region))
+            if held_in is not None and held_in.node not in exclude:
+                plan = held_in.plan(d.offset, size, keep_value)
                 if plan is not None:
                     plans.append(plan)
         return plans

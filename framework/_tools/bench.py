@@ -28,7 +28,13 @@ from kvfabric._tools.bench_floors import floor_rows, round_trip_rows
 from kvfabric._tools.bench_measure import CONTAINS, BenchRow
 from kvfabric._tools.bench_peers import PEERS, peers_python, run_peer
 from kvfabric._tools.bench_redis import check_redis, redis_rows
-from kvfabric._tools.bench_report import print_report, size_name
+from kvfabric._tools.bench_report import (
+    Target,
+    print_report,
+    print_rounds_summary,
+    size_name,
+    targets,
+)
 from kvfabric.spi import shmem_huge_policy
 
 __all__ = ["BenchRow", "needed_capacity", "run_bench"]
@@ -59,12 +65,15 @@ def run_bench(
     cpu_lookups: int = 1000,
     peers: bool = True,
     python_for_peers: str | None = None,
+    rounds: int = 1,
 ) -> list[BenchRow]:
-    """Measure everything, print the report to ``out``, return the rows.
+    """Measure everything, print the report to ``out``, return the rows (of every round).
 
     ``capacity``: each server's memory (default: what the fresh puts need);
     ``python_for_peers``: the interpreter of the peers' venv (else
-    ``$KVFABRIC_PEERS_PYTHON``; without either, the peers' rows say how to install them).
+    ``$KVFABRIC_PEERS_PYTHON``; without either, the peers' rows say how to install them);
+    ``rounds``: measure everything that many times, a report per round, then each target
+    over the rounds (its median, and in how many it was met).
     """
     if redis:
         check_redis()
@@ -75,13 +84,6 @@ def run_bench(
             notes.append(f"capacity raised to {size_name(needed)}: the fresh puts need that")
         capacity = needed
     notes.append(f"servers hold {size_name(capacity)} each; busy-thread loops {busy_seconds:g} s")
-    load_at_start = os.getloadavg()[0]
-    problems: dict[str, str] = {}
-    rows: list[BenchRow] = []
-    _progress("floors")
-    for size in sizes:
-        rows += floor_rows(count, size, repeat)
-    rows += round_trip_rows()
     plan = kv.KvfabricPlan(
         sizes=sizes,
         count=count,
@@ -90,6 +92,61 @@ def run_bench(
         busy_seconds=busy_seconds,
         cpu_lookups=cpu_lookups,
     )
+    every_row: list[BenchRow] = []
+    per_round: list[list[Target]] = []
+    for number in range(1, rounds + 1):
+        round_name = f" round {number} of {rounds}" if rounds > 1 else ""
+        load_at_start = os.getloadavg()[0]
+        rows, problems, round_notes = _one_round(
+            plan, redis, peers, python_for_peers, transports, round_name
+        )
+        # Other work on the machine moves every row: say how busy it was.
+        round_notes.append(
+            f"{os.cpu_count()} CPUs; load average {load_at_start:.1f} at the start, "
+            f"{os.getloadavg()[0]:.1f} at the end"
+        )
+        # The nodes' memory is on 2 MiB pages only where the host allows it, which moves the
+        # shm rows most (a TLB miss per 4 KiB read otherwise); the memcpy floor's numpy
+        # buffers ask for them too.
+        round_notes.append(
+            "the nodes' regions ask for 2 MiB pages; the host's policy for shared memory: "
+            f"{shmem_huge_policy() or 'unknown'} (see docs/architecture.md, huge pages)"
+        )
+        print_report(
+            rows,
+            sizes=sizes,
+            count=count,
+            repeat=repeat,
+            problems=problems,
+            notes=[*notes, *round_notes],
+            out=out,
+            heading=round_name,
+        )
+        every_row += rows
+        per_round.append(targets(rows, sizes, count))
+    if rounds > 1:
+        print_rounds_summary(per_round, out)
+    return every_row
+
+
+def _one_round(
+    plan: kv.KvfabricPlan,
+    redis: bool,
+    peers: bool,
+    python_for_peers: str | None,
+    transports: Sequence[str],
+    round_name: str,
+) -> tuple[list[BenchRow], dict[str, str], list[str]]:
+    """Every system measured once: the rows, per system why it has none (or not all), and
+    notes on how the peers ran."""
+    sizes, count, repeat = plan.sizes, plan.count, plan.repeat
+    notes: list[str] = []
+    problems: dict[str, str] = {}
+    rows: list[BenchRow] = []
+    _progress(f"floors{round_name}")
+    for size in sizes:
+        rows += floor_rows(count, size, repeat)
+    rows += round_trip_rows()
     for name in transports:
         reason = kv.unavailable(name)
         if reason is not None:
@@ -117,8 +174,8 @@ def run_bench(
                 sizes=sizes,
                 count=count,
                 repeat=repeat,
-                busy_seconds=busy_seconds,
-                capacity=capacity,
+                busy_seconds=plan.busy_seconds,
+                capacity=plan.capacity,
             )
             rows += result.rows
             if result.problem:
@@ -128,25 +185,4 @@ def run_bench(
                 notes += sorted(
                     {f"{name}: {r.note}" for r in result.rows if r.note and r.phase != CONTAINS}
                 )
-    # Other work on the machine moves every row: say how busy it was.
-    notes.append(
-        f"{os.cpu_count()} CPUs; load average {load_at_start:.1f} at the start, "
-        f"{os.getloadavg()[0]:.1f} at the end"
-    )
-    # The nodes' memory is on 2 MiB pages only where the host allows it, which moves the
-    # shm rows most (a TLB miss per 4 KiB read otherwise); the memcpy floor's numpy buffers
-    # ask for them too.
-    notes.append(
-        "the nodes' regions ask for 2 MiB pages; the host's policy for shared memory: "
-        f"{shmem_huge_policy() or 'unknown'} (see docs/architecture.md, huge pages)"
-    )
-    print_report(
-        rows,
-        sizes=sizes,
-        count=count,
-        repeat=repeat,
-        problems=problems,
-        notes=notes,
-        out=out,
-    )
-    return rows
+    return rows, problems, notes

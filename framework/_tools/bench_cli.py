@@ -20,6 +20,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeat", type=int, default=3, help="samples per measurement (median shown)"
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure everything this many times: a report per round, then each target's "
+        "median over the rounds and in how many it was met (a shared host's slow spells "
+        "move single rounds)",
+    )
+    parser.add_argument(
         "--capacity",
         help="memory of each server (kvfabric's node, Mooncake's, InfiniStore's; issue 12 "
         "measured 2GiB); default and at least: what the fresh puts need",
@@ -53,7 +61,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvfabric.errors import ConfigError
     from kvfabric.spi.units import parse_size
 
-    for name in ("count", "repeat"):
+    for name in ("count", "repeat", "rounds"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1")
     transports = tuple(t.strip() for t in args.transports.split(",") if t.strip())
@@ -70,5 +78,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         busy_seconds=args.busy_seconds,
         peers=not args.no_peers,
         python_for_peers=args.peers_python,
+        rounds=args.rounds,
     )
     return 0

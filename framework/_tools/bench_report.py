@@ -1,15 +1,19 @@
 """The tables ``kvfabric bench`` prints, and issue 12's targets marked met or not.
 
-Four tables from one run's rows: data phases in GB/s per chunk size (systems side by side,
+Four tables from one round's rows: data phases in GB/s per chunk size (systems side by side,
 the floors above them), lookups (time per call by keys per call, the path each took, the
 controller's CPU per lookup), reads beside a busy Python thread, and the targets: each
-measured ratio beside its goal.
+measured ratio beside its goal. With several rounds, a last table gives each target over
+them: its value in each, the median, and in how many rounds it was met.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
-from typing import IO
+from typing import IO, Any
+
+import attrs
 
 from kvfabric._tools.bench_measure import (
     CONTAINS,
@@ -27,7 +31,7 @@ from kvfabric._tools.bench_measure import (
     BenchRow,
 )
 
-__all__ = ["print_report", "size_name"]
+__all__ = ["Target", "print_report", "print_rounds_summary", "size_name", "targets"]
 
 _PEERS = ("redis", "mooncake", "infinistore")
 _KVFABRIC = ("kvfabric tcp", "kvfabric shm", "kvfabric ucx")
@@ -66,6 +70,31 @@ class _Rows:
         return [s for s in candidates if s in present]
 
 
+@attrs.frozen
+class Target:
+    """One of issue 12's targets as one round measured it."""
+
+    label: str
+    value: float | None
+    goal: float
+    at_least: bool
+    """The goal is a floor (else a ceiling)."""
+    unit: str
+    note: str = ""
+    """What the value was measured against where that can change (the best peer)."""
+
+    @property
+    def sign(self) -> str:
+        return ">=" if self.at_least else "<="
+
+    def meets(self, value: float) -> bool:
+        return value >= self.goal if self.at_least else value <= self.goal
+
+    @property
+    def met(self) -> bool:
+        return self.value is not None and self.meets(self.value)
+
+
 def print_report(
     rows: Sequence[BenchRow],
     *,
@@ -75,11 +104,13 @@ def print_report(
     problems: dict[str, str],
     notes: Sequence[str],
     out: IO[str],
+    heading: str = "",
 ) -> None:
-    """``problems``: per system that has no rows (or not all), why."""
+    """``problems``: per system that has no rows (or not all), why; ``heading``: which
+    round this is, when there are several."""
     found = _Rows(rows)
     w = out.write
-    w(f"\nkvfabric bench: {count} chunks per batch, medians of {repeat}\n")
+    w(f"\nkvfabric bench{heading}: {count} chunks per batch, medians of {repeat}\n")
     for note in notes:
         w(f"  {note}\n")
     systems = [*found.systems(_PEERS), *found.systems(_KVFABRIC)]
@@ -179,7 +210,9 @@ def _busy_table(found: _Rows, w: Write) -> None:
     )
 
 
-def _targets(found: _Rows, sizes: Sequence[int], count: int, w: Write) -> None:
+def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[Target]:
+    """Issue 12's targets, each measured ratio (or time) beside its goal."""
+    found = _Rows(rows)
     big, small = max(sizes), min(sizes)
     inf = "infinistore"
 
@@ -191,8 +224,8 @@ def _targets(found: _Rows, sizes: Sequence[int], count: int, w: Write) -> None:
         return None if a is None or b is None else a.seconds / b.seconds
 
     batch = f"{count}x{size_name(big)}"
-    # (label, measured, goal, at least (else at most), unit)
-    checks: list[tuple[str, float | None, float, bool, str]] = [
+    # (label, measured, goal, at least (else at most), unit[, note])
+    checks: list[tuple[Any, ...]] = [
         (
             f"put {batch} fresh, tcp / InfiniStore",
             speed(found.find("kvfabric tcp", PUT_FRESH, big), found.find(inf, PUT_FRESH, big)),
@@ -259,12 +292,12 @@ def _targets(found: _Rows, sizes: Sequence[int], count: int, w: Write) -> None:
     for system in found.systems(_KVFABRIC):
         checks.append(
             (
-                f"get {batch}, {system[9:]} / best peer"
-                + (f" ({best_peer.system})" if best_peer else ""),
+                f"get {batch}, {system[9:]} / best peer",
                 speed(found.find(system, GET, big), best_peer),
                 1.0,
                 True,
                 "x",
+                best_peer.system if best_peer else "",
             )
         )
     checks.append(
@@ -298,14 +331,42 @@ def _targets(found: _Rows, sizes: Sequence[int], count: int, w: Write) -> None:
                 "x",
             )
         )
+    return [Target(*check) for check in checks]
+
+
+def _targets(found: _Rows, sizes: Sequence[int], count: int, w: Write) -> None:
     w("\ntargets (issue 12):\n")
-    for label, value, goal, at_least, unit in checks:
-        sign = ">=" if at_least else "<="
-        if value is None:
-            w(f"  {label:<48} {'n/a':>8}   (goal {sign} {goal:g}{unit})\n")
+    for target in targets(found.rows, sizes, count):
+        label = f"{target.label} ({target.note})" if target.note else target.label
+        goal = f"(goal {target.sign} {target.goal:g}{target.unit})"
+        if target.value is None:
+            w(f"  {label:<48} {'n/a':>8}   {goal}\n")
             continue
-        met = value >= goal if at_least else value <= goal
-        w(
-            f"  {label:<48} {value:>8.2f}{unit:<2} (goal {sign} {goal:g}{unit})  "
-            f"{'met' if met else 'NOT MET'}\n"
-        )
+        verdict = "met" if target.met else "NOT MET"
+        w(f"  {label:<48} {target.value:>8.2f}{target.unit:<2} {goal}  {verdict}\n")
+
+
+def print_rounds_summary(rounds: Sequence[Sequence[Target]], out: IO[str]) -> None:
+    """Each target over the rounds of one run: its value in each, their median, and in how
+    many rounds it was met. On a shared host one round can land in a slow spell that
+    another misses; the median and the count say what holds across them."""
+    w = out.write
+    w(f"\ntargets over {len(rounds)} rounds (issue 12): each round, median, rounds met\n")
+    labels: dict[str, Target] = {}
+    for round_targets in rounds:
+        for target in round_targets:
+            labels.setdefault(target.label, target)
+    for label, first in labels.items():
+        values = [
+            next((t.value for t in round_targets if t.label == label), None)
+            for round_targets in rounds
+        ]
+        cells = " ".join(f"{v:>7.2f}" if v is not None else f"{'n/a':>7}" for v in values)
+        measured = [v for v in values if v is not None]
+        goal = f"(goal {first.sign} {first.goal:g}{first.unit})"
+        if not measured:
+            w(f"  {label:<44} {cells}  {'n/a':>7}    {goal}\n")
+            continue
+        median = statistics.median(measured)
+        met = sum(first.meets(v) for v in measured)
+        w(f"  {label:<44} {cells}  {median:>7.2f}{first.unit:<2} {goal}  met {met}/{len(values)}\n")

@@ -38,9 +38,19 @@ def test_bench_measures_floors_kvfabric_redis_and_says_where_the_peers_stand() -
         transports=("tcp", "shm"),
         busy_seconds=0.2,
         cpu_lookups=20,
+        rounds=2,
     )
     text = out.getvalue()
     print(text)
+    # Two rounds, each its own report, then every target over both.
+    assert "kvfabric bench round 1 of 2:" in text
+    assert "kvfabric bench round 2 of 2:" in text
+    summary = text.split("targets over 2 rounds (issue 12): each round, median, rounds met\n")[1]
+    assert "contains 8 over shm" in summary
+    assert "reads beside busy / alone, tcp" in summary
+    assert all(line.rstrip().endswith(("/2", ")")) for line in summary.splitlines() if line)
+    kvfabric_puts = [r for r in rows if r.phase == PUT_FRESH and r.system == "kvfabric tcp"]
+    assert len(kvfabric_puts) == 2
     measured = {(r.system, r.phase) for r in rows}
     data = {
         PUT_FRESH,

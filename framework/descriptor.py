@@ -72,18 +72,13 @@ class Descriptor:
     def to_bytes(self) -> bytes:
         wire = self._wire
         if wire is None:
-            wire = _WIRE.pack(
-                self.key,
-                self.node,
-                self.region,
-                self.offset,
-                self.length,
-                self.rkey,
-                self.version,
-                self.crc,
-            )
+            wire = _WIRE.pack(*self._fields_but_crc(), self.crc)
             object.__setattr__(self, "_wire", wire)
         return wire
+
+    def _fields_but_crc(self) -> tuple[bytes, int, int, int, int, int, int]:
+        """Every field in wire order, up to (not with) the CRC, the last."""
+        return (self.key, self.node, self.region, self.offset, self.length, self.rkey, self.version)
 
     @classmethod
     def trusted(
@@ -106,17 +101,7 @@ class Descriptor:
     def with_crc(self, crc: int) -> Descriptor:
         """This descriptor with ``crc`` (checked) set: a grant as it is published."""
         _u32(None, _CRC_FIELD, crc)
-        return _unchecked(
-            None,
-            self.key,
-            self.node,
-            self.region,
-            self.offset,
-            self.length,
-            self.rkey,
-            self.version,
-            crc,
-        )
+        return _unchecked(None, *self._fields_but_crc(), crc)
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview, offset: int = 0) -> Descriptor:

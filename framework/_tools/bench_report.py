@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from typing import IO, Any
+from typing import IO
 
 import attrs
 
@@ -224,16 +224,16 @@ def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[
         return None if a is None or b is None else a.seconds / b.seconds
 
     batch = f"{count}x{size_name(big)}"
-    # (label, measured, goal, at least (else at most), unit[, note])
-    checks: list[tuple[Any, ...]] = [
-        (
+    # Target(label, measured, goal, at least (else at most), unit[, note])
+    checks: list[Target] = [
+        Target(
             f"put {batch} fresh, tcp / InfiniStore",
             speed(found.find("kvfabric tcp", PUT_FRESH, big), found.find(inf, PUT_FRESH, big)),
             1.0,
             True,
             "x",
         ),
-        (
+        Target(
             f"put {batch} fresh, shm / memcpy",
             speed(found.find("kvfabric shm", PUT_FRESH, big), found.find("memcpy", COPY, big)),
             0.6,
@@ -243,7 +243,7 @@ def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[
     ]
     if small != big:
         checks.append(
-            (
+            Target(
                 f"put {count}x{size_name(small)} fresh, tcp / InfiniStore",
                 speed(
                     found.find("kvfabric tcp", PUT_FRESH, small), found.find(inf, PUT_FRESH, small)
@@ -254,7 +254,7 @@ def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[
             )
         )
     checks.append(
-        (
+        Target(
             f"contains {count}, tcp / InfiniStore (time)",
             time_ratio(
                 found.find("kvfabric tcp", CONTAINS, count=count),
@@ -267,7 +267,7 @@ def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[
     )
     shm_contains = found.find("kvfabric shm", CONTAINS, count=count)
     checks.append(
-        (
+        Target(
             f"contains {count} over shm",
             None if shm_contains is None else shm_contains.seconds * 1e6,
             20.0,
@@ -279,7 +279,7 @@ def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[
         cpu = found.find(system, CONTROLLER_CPU)
         if cpu is not None and cpu.note.startswith("one-sided"):
             checks.append(
-                (
+                Target(
                     f"{system[9:]} controller CPU per one-sided lookup",
                     cpu.seconds * 1e6,
                     0.0,
@@ -291,7 +291,7 @@ def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[
     best_peer = min(peers_get, key=lambda r: r.seconds) if peers_get else None
     for system in found.systems(_KVFABRIC):
         checks.append(
-            (
+            Target(
                 f"get {batch}, {system[9:]} / best peer",
                 speed(found.find(system, GET, big), best_peer),
                 1.0,
@@ -301,7 +301,7 @@ def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[
             )
         )
     checks.append(
-        (
+        Target(
             f"get {batch}, shm / memcpy",
             speed(found.find("kvfabric shm", GET, big), found.find("memcpy", COPY, big)),
             0.8,
@@ -311,7 +311,7 @@ def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[
     )
     for system in found.systems(_KVFABRIC):
         checks.append(
-            (
+            Target(
                 f"reads beside busy / alone, {system[9:]}",
                 speed(found.find(system, READS_BUSY), found.find(system, READS_ALONE)),
                 0.8,
@@ -321,7 +321,7 @@ def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[
         )
     for system in found.systems((*_KVFABRIC, "kvfabric rpc")):
         checks.append(
-            (
+            Target(
                 f"contains 1024 / 16, {system[9:]}",
                 time_ratio(
                     found.find(system, CONTAINS, count=1024), found.find(system, CONTAINS, count=16)
@@ -331,7 +331,7 @@ def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[
                 "x",
             )
         )
-    return [Target(*check) for check in checks]
+    return checks
 
 
 def _targets(found: _Rows, sizes: Sequence[int], count: int, w: Write) -> None:

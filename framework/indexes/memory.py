@@ -834,9 +834,49 @@ class MemoryIndex(IndexPlugin):
         return oldest
 
     def _keep_headroom(self, now: float) -> None:
+        """Evict ahead of need until free and retired space make the headroom.
+
+        A put of many keys into a full store falls short by about one entry a key. The
+        entries to go are chosen in one pass over the LRU's head for the whole shortfall,
+        not by a fresh sample per entry (which cost ~20 µs an eviction in the controller).
+        """
         target = self._headroom_bytes()
+        short = target - self._free_bytes() - self._retired_bytes
+        if short <= 0:
+            return
+        for key in self._least_worth_keeping(short, now):
+            self._remove(key, self._entries[key], now)
+            self._counters["evictions"] += 1
+            if self._free_bytes() + self._retired_bytes >= target:
+                return
+        # The ranked entries freed less than they hold (copies already vacated).
         while self._free_bytes() + self._retired_bytes < target and self._evict_one(now):
-            self._release_retired(now)
+            pass
+
+    def _least_worth_keeping(self, short: int, now: float) -> list[bytes]:
+        """The oldest entries holding ``short`` bytes and a sample's worth past them,
+        ranked by how little they are worth keeping (LRU weighted by retention, as
+        :meth:`_evict_one` ranks its sample: a shortfall of one entry ranks exactly that
+        sample). Entries of regions still being restored are skipped, as in :meth:`_oldest`.
+        """
+        ranked: list[tuple[float, bytes]] = []
+        held = 0
+        past = 0
+        for key in self._lru:
+            entry = self._entries[key]
+            d = entry.descriptor
+            space = self._regions.get((d.node, d.region))
+            if space is None or space.restored is not None:
+                continue
+            if held >= short:
+                if past == _EVICTION_SAMPLE - 1:
+                    break
+                past += 1
+            ranked.append(((now - entry.last_use + 1e-3) / _weight(entry), key))
+            held += entry.size * (1 + len(entry.alternates))
+        # Stable: of equal worth, the older goes first.
+        ranked.sort(key=_first, reverse=True)
+        return [key for _, key in ranked]
 
     def _headroom_bytes(self) -> int:
         granting = sum(s.size for s in self._regions.values() if s.restored is None)
@@ -952,6 +992,10 @@ def _still_retired(queued: tuple[float, RegionSpace, int, int]) -> bool:
     _, space, offset, token = queued
     held = space.retired.get(offset)
     return held is not None and held[1] == token
+
+
+def _first(ranked: tuple[float, bytes]) -> float:
+    return ranked[0]
 
 
 def _weight(entry: _Entry) -> float:

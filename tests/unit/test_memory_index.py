@@ -133,6 +133,35 @@ def test_headroom_is_kept_by_evicting_ahead_of_need() -> None:
     assert stats["evictions"] == 30 - stats["entries"]
 
 
+def test_headroom_for_a_many_key_put_is_made_in_one_ranked_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A put of six keys leaves the store six entries short of its headroom: the six least
+    worth keeping go (old, stored once), chosen in one pass over the LRU's head rather
+    than a fresh sample per entry, and the often-stored old entries stay."""
+    size = record_size(1000)
+    index, clock = _index(capacity=20 * size, headroom=0.5)
+    _put(index, *(_key(i) for i in range(10)))  # half full: exactly the headroom
+    for _ in range(7):  # keys 0 and 1: the oldest, but eight writers stored them
+        assert _put(index, _key(0), _key(1)) == [AllocationKind.EXISTS] * 2
+    clock.now += 1
+    sampled = 0
+    evict_one = MemoryIndex._evict_one
+
+    def counted(self: MemoryIndex, *args: object, **kwargs: object) -> bool:
+        nonlocal sampled
+        sampled += 1
+        return evict_one(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(MemoryIndex, "_evict_one", counted)
+    assert _put(index, *(_key(i) for i in range(100, 106))) == [AllocationKind.GRANTED] * 6
+    kept = index.exists([_key(i) for i in (*range(10), *range(100, 106))])
+    assert kept == [True, True] + [False] * 6 + [True, True] + [True] * 6
+    stats = index.stats()
+    assert (stats["evictions"], sampled) == (6, 0)
+    assert stats["free_bytes"] + stats["retired_bytes"] >= 10 * size
+
+
 def test_churn_within_the_grace_reuses_retired_slots_pricing_one_window_per_put(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -56,6 +56,19 @@ def _index(
     return index, clock
 
 
+def _count_calls(monkeypatch: pytest.MonkeyPatch, owner: type, name: str) -> list[int]:
+    """From now on count the calls of method ``name`` of ``owner`` (still made): ``[n]``."""
+    calls = [0]
+    method = getattr(owner, name)
+
+    def counted(self: object, *args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        return method(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
 def _put(index: MemoryIndex, *keys: bytes, length: int = 1000) -> list[AllocationKind]:
     result = index.allocate([AllocationRequest(key=k, length=length) for k in keys])
     granted = [
@@ -145,20 +158,12 @@ def test_headroom_for_a_many_key_put_is_made_in_one_ranked_pass(
     for _ in range(7):  # keys 0 and 1: the oldest, but eight writers stored them
         assert _put(index, _key(0), _key(1)) == [AllocationKind.EXISTS] * 2
     clock.now += 1
-    sampled = 0
-    evict_one = MemoryIndex._evict_one
-
-    def counted(self: MemoryIndex, *args: object, **kwargs: object) -> bool:
-        nonlocal sampled
-        sampled += 1
-        return evict_one(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(MemoryIndex, "_evict_one", counted)
+    sampled = _count_calls(monkeypatch, MemoryIndex, "_evict_one")
     assert _put(index, *(_key(i) for i in range(100, 106))) == [AllocationKind.GRANTED] * 6
     kept = index.exists([_key(i) for i in (*range(10), *range(100, 106))])
     assert kept == [True, True] + [False] * 6 + [True, True] + [True] * 6
     stats = index.stats()
-    assert (stats["evictions"], sampled) == (6, 0)
+    assert (stats["evictions"], sampled[0]) == (6, 0)
     assert stats["free_bytes"] + stats["retired_bytes"] >= 10 * size
 
 
@@ -170,21 +175,13 @@ def test_churn_within_the_grace_reuses_retired_slots_pricing_one_window_per_put(
     every slot reused before (that walk once cost ~1 ms a key under churn)."""
     size = record_size(1000)
     index, _ = _index(capacity=10 * size, headroom=0.25, grace=5.0)
-    priced = 0
-    plan = RegionSpace.plan
-
-    def counted(self: RegionSpace, *args: object, **kwargs: object) -> object:
-        nonlocal priced
-        priced += 1
-        return plan(self, *args, **kwargs)  # type: ignore[arg-type]
-
     for i in range(20):
         _put(index, _key(i))
-    monkeypatch.setattr(RegionSpace, "plan", counted)
+    priced = _count_calls(monkeypatch, RegionSpace, "plan")
     puts = 2000
     outcomes = [_put(index, _key(20 + i))[0] for i in range(puts)]
     assert outcomes == [AllocationKind.GRANTED] * puts
-    assert priced == puts
+    assert priced[0] == puts
     stats = index.stats()
     assert stats["early_reuse"] >= puts
     # The queue of retirements holds what is still retired, not every slot reused early.

@@ -35,7 +35,7 @@ import math
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
@@ -775,7 +775,7 @@ class MemoryIndex(IndexPlugin):
             entry = self._entries[key]
             if entry.state is not _State.PUBLISHED:
                 return None  # being written: never evicted
-            return _weight(entry) / (now - entry.last_use + 1e-3)
+            return 1.0 / _eviction_score(entry, now)
 
         plans: list[Plan] = []
         # A slot reused before its grace ended stays queued until its time comes. Under
@@ -823,15 +823,18 @@ class MemoryIndex(IndexPlugin):
         Entries of a region still being restored are skipped: its space takes no grant
         until the node is done, so evicting them would only lose hits.
         """
-        oldest: list[bytes] = []
+        return [key for key, _ in itertools.islice(self._evictable(), count)]
+
+    def _evictable(self) -> Iterator[tuple[bytes, _Entry]]:
+        """Published entries, least recently used first, skipping those of a region still
+        being restored."""
+        entries, regions = self._entries, self._regions
         for key in self._lru:
-            if len(oldest) == count:
-                break
-            d = self._entries[key].descriptor
-            space = self._regions.get((d.node, d.region))
+            entry = entries[key]
+            d = entry.descriptor
+            space = regions.get((d.node, d.region))
             if space is not None and space.restored is None:
-                oldest.append(key)
-        return oldest
+                yield key, entry
 
     def _keep_headroom(self, now: float) -> None:
         """Evict ahead of need until free and retired space make the headroom.
@@ -857,22 +860,17 @@ class MemoryIndex(IndexPlugin):
         """The oldest entries holding ``short`` bytes and a sample's worth past them,
         ranked by how little they are worth keeping (LRU weighted by retention, as
         :meth:`_evict_one` ranks its sample: a shortfall of one entry ranks exactly that
-        sample). Entries of regions still being restored are skipped, as in :meth:`_oldest`.
+        sample).
         """
         ranked: list[tuple[float, bytes]] = []
         held = 0
         past = 0
-        for key in self._lru:
-            entry = self._entries[key]
-            d = entry.descriptor
-            space = self._regions.get((d.node, d.region))
-            if space is None or space.restored is not None:
-                continue
+        for key, entry in self._evictable():
             if held >= short:
                 if past == _EVICTION_SAMPLE - 1:
                     break
                 past += 1
-            ranked.append(((now - entry.last_use + 1e-3) / _weight(entry), key))
+            ranked.append((_eviction_score(entry, now), key))
             held += entry.size * (1 + len(entry.alternates))
         # Stable: of equal worth, the older goes first.
         ranked.sort(key=_first, reverse=True)
@@ -892,9 +890,8 @@ class MemoryIndex(IndexPlugin):
         """Retire the published entry least worth keeping: LRU, weighted by retention."""
         victim: bytes | None = None
         best_score = -1.0
-        for key in self._oldest(_EVICTION_SAMPLE):
-            entry = self._entries[key]
-            score = (now - entry.last_use + 1e-3) / _weight(entry)
+        for key, entry in itertools.islice(self._evictable(), _EVICTION_SAMPLE):
+            score = _eviction_score(entry, now)
             if score > best_score:
                 victim, best_score = key, score
         if victim is None:
@@ -996,6 +993,12 @@ def _still_retired(queued: tuple[float, RegionSpace, int, int]) -> bool:
 
 def _first(ranked: tuple[float, bytes]) -> float:
     return ranked[0]
+
+
+def _eviction_score(entry: _Entry, now: float) -> float:
+    """How little a published entry is worth keeping: its age, less for one stored by many
+    writers (the higher, the sooner it goes)."""
+    return (now - entry.last_use + 1e-3) / _weight(entry)
 
 
 def _weight(entry: _Entry) -> float:

@@ -9,6 +9,7 @@ from typing import Any, overload
 import attrs
 import numpy as np
 
+from kvfabric._slots import slot_setters
 from kvfabric.errors import ProtocolError
 from kvfabric.keys import KEY_SIZE
 
@@ -125,11 +126,8 @@ class Descriptor:
 _new = object.__new__
 
 
-# The slots' own setters: a frozen class's fields are set through them (what
-# ``object.__setattr__`` does, less its lookup by name: ~1.2 us a descriptor against ~1.8).
-_SETTERS = tuple(
-    Descriptor.__dict__[name].__set__
-    for name in ("key", "node", "region", "offset", "length", "rkey", "version", "crc", "_wire")
+_SETTERS = slot_setters(
+    Descriptor, "key", "node", "region", "offset", "length", "rkey", "version", "crc", "_wire"
 )
 
 

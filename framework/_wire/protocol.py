@@ -48,6 +48,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from kvfabric._slots import slot_setters
 from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor, PackedDescriptors
 from kvfabric.errors import ProtocolError
 from kvfabric.keys import KEY_SIZE
@@ -343,8 +344,8 @@ def read_allocate_result(r: Reader) -> AllocateResult:
 
 # Allocations without a descriptor carry nothing else: frozen, so one of each serves all.
 _BARE = {kind: Allocation(kind=kind) for kind in AllocationKind if kind not in _WITH_DESCRIPTOR}
-_SET_KIND, _SET_DESCRIPTOR, _SET_REPLICAS = (
-    Allocation.__dict__[name].__set__ for name in ("kind", "descriptor", "replicas")
+_SET_KIND, _SET_DESCRIPTOR, _SET_REPLICAS = slot_setters(
+    Allocation, "kind", "descriptor", "replicas"
 )
 
 

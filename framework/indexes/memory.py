@@ -800,11 +800,9 @@ class MemoryIndex(IndexPlugin):
                     # equal-sized values, the common case), so price nothing else.
                     return [plan]
                 plans.append(plan)
-        for key in self._oldest(_WINDOW_SEEDS):
-            d = self._entries[key].descriptor
-            held_in = self._regions.get((d.node, d.region))
-            if held_in is not None and held_in.node not in exclude:
-                plan = held_in.plan(d.offset, size, keep_value)
+        for _, entry, held_in in itertools.islice(self._evictable(), _WINDOW_SEEDS):
+            if held_in.node not in exclude:
+                plan = held_in.plan(entry.descriptor.offset, size, keep_value)
                 if plan is not None:
                     plans.append(plan)
         return plans
@@ -817,24 +815,20 @@ class MemoryIndex(IndexPlugin):
             self._retired_bytes -= plan.space.release(offset)
             self._counters["early_reuse"] += 1
 
-    def _oldest(self, count: int) -> list[bytes]:
-        """The least recently used entries whose eviction frees space grants can use.
+    def _evictable(self) -> Iterator[tuple[bytes, _Entry, RegionSpace]]:
+        """Published entries whose eviction frees space grants can use, least recently
+        used first, with the region their first copy is in.
 
         Entries of a region still being restored are skipped: its space takes no grant
         until the node is done, so evicting them would only lose hits.
         """
-        return [key for key, _ in itertools.islice(self._evictable(), count)]
-
-    def _evictable(self) -> Iterator[tuple[bytes, _Entry]]:
-        """Published entries, least recently used first, skipping those of a region still
-        being restored."""
         entries, regions = self._entries, self._regions
         for key in self._lru:
             entry = entries[key]
             d = entry.descriptor
             space = regions.get((d.node, d.region))
             if space is not None and space.restored is None:
-                yield key, entry
+                yield key, entry, space
 
     def _keep_headroom(self, now: float) -> None:
         """Evict ahead of need until free and retired space make the headroom.
@@ -865,7 +859,7 @@ class MemoryIndex(IndexPlugin):
         ranked: list[tuple[float, bytes]] = []
         held = 0
         past = 0
-        for key, entry in self._evictable():
+        for key, entry, _ in self._evictable():
             if held >= short:
                 if past == _EVICTION_SAMPLE - 1:
                     break
@@ -890,7 +884,7 @@ class MemoryIndex(IndexPlugin):
         """Retire the published entry least worth keeping: LRU, weighted by retention."""
         victim: bytes | None = None
         best_score = -1.0
-        for key, entry in itertools.islice(self._evictable(), _EVICTION_SAMPLE):
+        for key, entry, _ in itertools.islice(self._evictable(), _EVICTION_SAMPLE):
             score = _eviction_score(entry, now)
             if score > best_score:
                 victim, best_score = key, score

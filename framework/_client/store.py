@@ -62,7 +62,7 @@ from kvfabric.errors import (
 from kvfabric.keys import KEY_SIZE
 from kvfabric.options import ClientOptions
 from kvfabric.spi.counters import CLIENT_COUNTERS, Counters
-from kvfabric.spi.image import ImageStop
+from kvfabric.spi.image import ImageStop, first_bad_key
 from kvfabric.spi.index import (
     AllocationKind,
     AllocationRequest,
@@ -809,9 +809,10 @@ class Store:
 
 
 def _check_keys(keys: Sequence[bytes]) -> None:
-    for key in keys:
-        if type(key) is not bytes or len(key) != KEY_SIZE:
-            raise InvalidKeyError(
-                f"keys must be {KEY_SIZE}-byte bytes (see kvfabric.chain_key / fold_key), "
-                f"got {type(key).__name__} of length {len(key) if hasattr(key, '__len__') else '?'}"
-            )
+    bad = first_bad_key(keys)
+    if bad >= 0:
+        key = keys[bad]
+        raise InvalidKeyError(
+            f"keys must be {KEY_SIZE}-byte bytes (see kvfabric.chain_key / fold_key), "
+            f"got {type(key).__name__} of length {len(key) if hasattr(key, '__len__') else '?'}"
+        )

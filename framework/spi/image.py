@@ -95,6 +95,7 @@ __all__ = [
     "ImageGeometry",
     "ImageStop",
     "RingState",
+    "first_bad_key",
     "host_identity",
     "image_apply",
     "image_beat",
@@ -269,6 +270,12 @@ def image_prefix(
     (about a third of a hit's cost). A key that is not 32 ``bytes`` raises ``TypeError``.
     """
     return _image.image_prefix(image, keys, image_id, max_age, checksums)
+
+
+def first_bad_key(keys: Sequence[object]) -> int:
+    """The position of the first item that is not a 32-byte ``bytes``, or -1 (in C: a
+    lookup's keys are checked on the caller's thread before anything is asked)."""
+    return _image.first_bad_key(keys)
 
 
 def image_exists(

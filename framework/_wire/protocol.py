@@ -232,6 +232,8 @@ def write_copies(copies: Copies, *, optional: bool) -> bytes:
     descriptors = copies.descriptors
     if optional:
         head = write_optional_descriptors(descriptors)
+    elif isinstance(descriptors, PackedDescriptors):
+        head = write_descriptor_bytes(len(descriptors), descriptors.wires)
     else:
         head = write_descriptors([d for d in descriptors if d is not None])
     if not copies.alternates:

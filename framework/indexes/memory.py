@@ -20,11 +20,13 @@ dropped), eviction and unpublish take every copy, and a lost node or an invalid 
 only that copy: another is promoted. A put of a stored key that lacks copies (a node was
 lost) is granted the missing ones from free space, never by evicting.
 
-Asked for a lookup image (a controller serving one), the index also keeps its published
-entries in one (:mod:`kvfabric.indexes.memory_image`), written under the same lock as the
-entries, so clients can answer lookups without asking. Those lookups do not reach the index;
-clients report the keys they used in batches (:meth:`MemoryIndex.touch`), so eviction still
-sees the use.
+The index also keeps its published entries in a lookup image
+(:mod:`kvfabric.indexes.memory_image`), written under the same lock as the entries. A
+controller serving it lets clients answer lookups without asking; those lookups do not reach
+the index, and clients report the keys they used in batches (:meth:`MemoryIndex.touch`), so
+eviction still sees the use. Lookups that do reach it are answered from the image too: one C
+probe finds the leading run and hands back its descriptors in wire form, and only the LRU
+touch of each hit is left to Python.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
-from kvfabric.descriptor import Descriptor
+from kvfabric.descriptor import Descriptor, PackedDescriptors
 from kvfabric.indexes.memory_image import MemoryImage, NoImage
 from kvfabric.indexes.memory_space import Plan, RegionSpace
 from kvfabric.spi import (
@@ -50,6 +52,7 @@ from kvfabric.spi import (
     AllocationRequest,
     Copies,
     GrantRef,
+    ImageStop,
     IndexConfig,
     IndexPlugin,
     NodeEndpoint,
@@ -62,6 +65,7 @@ from kvfabric.spi import (
     parse_size,
     record_size,
 )
+from kvfabric.spi.image import first_bad_key
 
 __all__ = ["MemoryIndex"]
 
@@ -160,7 +164,8 @@ class MemoryIndex(IndexPlugin):
             name="image",
             parse=parse_size,
             default=_IMAGE_SIZE,
-            help="size of the lookup image clients read one-sided, once asked for "
+            help="size of the lookup image (clients read it one-sided where the controller "
+            "serves it, and the index answers lookups by RPC from it) "
             "(a power of two of 64-byte buckets; it answers best up to a quarter full, ~1 "
             "entry per 256 bytes, and keys past that fall back to RPC; 0: keep none)",
         ),
@@ -190,7 +195,7 @@ class MemoryIndex(IndexPlugin):
         """``lease``: seconds a writer has between allocate and publish. ``grace``: seconds a
         retired slot waits before reuse. ``headroom``: share of capacity kept free (or on its
         way to free) by evicting ahead of need, so writers rarely wait for a grace period.
-        ``image_size``: bytes of the lookup image once asked for one (0: none).
+        ``image_size``: bytes of the lookup image (0: none; lookups then walk the entries).
         ``replicas``: copies of each value, on distinct data nodes.
         """
         if replicas < 1:
@@ -216,8 +221,11 @@ class MemoryIndex(IndexPlugin):
         # records from before the restart may still carry.
         self._next_version = time.time_ns()
         self._counters = dict.fromkeys(_COUNTERS, 0)
-        self._image_size = image_size
+        # Kept from the start, served or not: it answers lookups by RPC in C too (see
+        # lookup_copies), and its pages exist only once written.
         self._image: MemoryImage | NoImage = NoImage()
+        if image_size > 0:
+            self._image = MemoryImage(image_size)
 
     # -- nodes -------------------------------------------------------------------------
 
@@ -444,22 +452,40 @@ class MemoryIndex(IndexPlugin):
     def lookup_copies(self, keys: Sequence[bytes]) -> Copies:
         with self._lock:
             now = self._clock()
-            found: list[Descriptor | None] = []
+            # The image answers the leading run in C, its descriptors already in wire
+            # form, so the reply needs no per-key encoding; with replicas it would not
+            # hold the alternates in the same probe, and the loop below answers.
+            # The probe stamps each hit's use in the image: the LRU learns of it when
+            # eviction next walks it (see _evictable), not by a step per key here.
+            hits, stop, wires = (
+                self._image.prefix(keys, now)
+                if self._replicas == 1
+                else (0, ImageStop.UNUSABLE, b"")
+            )
+            entries, touch = self._entries, self._lru.move_to_end
+            found: list[Descriptor] = []
             alternates: dict[int, tuple[Descriptor, ...]] = {}
-            entries, touch, published = self._entries, self._lru.move_to_end, _State.PUBLISHED
-            for key in keys:
-                entry = entries.get(key)
-                if entry is None or entry.state is not published:
-                    break
-                entry.last_use = now
-                touch(key)
-                if entry.alternates:
-                    alternates[len(found)] = entry.alternates
-                found.append(entry.descriptor)
+            if hits < len(keys) and stop != ImageStop.MISS:
+                # A key the image cannot answer for (its window overflowed; or no image):
+                # the entries answer from there on.
+                published = _State.PUBLISHED
+                for key in itertools.islice(keys, hits, None):
+                    entry = entries.get(key)
+                    if entry is None or entry.state is not published:
+                        break
+                    entry.last_use = now
+                    touch(key)
+                    if entry.alternates:
+                        alternates[hits + len(found)] = entry.alternates
+                    found.append(entry.descriptor)
             self._counters["lookups"] += 1
             self._counters["lookup_keys"] += len(keys)
-            self._counters["prefix_hits"] += len(found)
-            return Copies(descriptors=found, alternates=alternates)
+            self._counters["prefix_hits"] += hits + len(found)
+            if not hits:
+                return Copies(descriptors=found, alternates=alternates)
+            if found:
+                wires += b"".join(d.to_bytes() for d in found)
+            return Copies(descriptors=PackedDescriptors(wires), alternates=alternates)
 
     def resolve_copies(self, keys: Sequence[bytes]) -> Copies:
         with self._lock:
@@ -482,30 +508,32 @@ class MemoryIndex(IndexPlugin):
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
             self._counters["exists_calls"] += 1
+            states = self._image.exists(keys) if self._replicas == 1 else b""
+            if states and ImageStop.UNKNOWN not in states:
+                return [state == ImageStop.HIT for state in states]
             published = _State.PUBLISHED
             return [(e := self._entries.get(k)) is not None and e.state is published for k in keys]
 
     def touch(self, keys: Sequence[bytes]) -> None:
         with self._lock:
             now = self._clock()
-            entries, published = self._entries, _State.PUBLISHED
-            for key in keys:
-                entry = entries.get(key)
-                if entry is not None and entry.state is published:
-                    self._touch(key, entry, now)
+            if first_bad_key(keys) >= 0:
+                keys = [k for k in keys if type(k) is bytes]  # the others name no entry
+            # Keys in the image are stamped there in C; those it cannot tell of (spilled)
+            # are touched one by one.
+            states = self._image.exists(keys, used_at=now)
+            if ImageStop.UNKNOWN in states:
+                entries, published = self._entries, _State.PUBLISHED
+                for key, state in zip(keys, states, strict=True):
+                    entry = entries.get(key) if state == ImageStop.UNKNOWN else None
+                    if entry is not None and entry.state is published:
+                        self._touch(key, entry, now)
             self._counters["touches"] += 1
             self._counters["touched_keys"] += len(keys)
 
     def lookup_image(self) -> Region | None:
         with self._lock:
-            if isinstance(self._image, MemoryImage):
-                return self._image.region
-            if self._image_size <= 0:
-                return None
-            image = self._image = MemoryImage(self._image_size)
-            for key in self._lru:
-                self._show(key, self._entries[key])
-            return image.region
+            return self._image.region if isinstance(self._image, MemoryImage) else None
 
     def _touch(self, key: bytes, entry: _Entry, now: float) -> None:
         entry.last_use = now
@@ -775,6 +803,9 @@ class MemoryIndex(IndexPlugin):
             entry = self._entries[key]
             if entry.state is not _State.PUBLISHED:
                 return None  # being written: never evicted
+            # A neighbour in a window, not walked in LRU order: its last use may be only in
+            # the image's stamp.
+            entry.last_use = max(entry.last_use, self._image.last_use(key))
             return 1.0 / _eviction_score(entry, now)
 
         plans: list[Plan] = []
@@ -819,16 +850,45 @@ class MemoryIndex(IndexPlugin):
         """Published entries whose eviction frees space grants can use, least recently
         used first, with the region their first copy is in.
 
+        Lookups that the image answered stamped their uses there, not in the LRU: an entry
+        stamped since it was queued is passed over (a second chance) and, once the walk
+        stops, queued again as used then. A walk that reaches the end yields those last,
+        least recently used first, so something is always found to evict.
+
         Entries of a region still being restored are skipped: its space takes no grant
         until the node is done, so evicting them would only lose hits.
         """
-        entries, regions = self._entries, self._regions
-        for key in self._lru:
-            entry = entries[key]
-            d = entry.descriptor
-            space = regions.get((d.node, d.region))
-            if space is not None and space.restored is None:
-                yield key, entry, space
+        entries, regions, last_use = self._entries, self._regions, self._image.last_use
+        used_since: list[tuple[float, bytes]] = []
+        try:
+            for key in self._lru:
+                entry = entries[key]
+                used = last_use(key)
+                if used > entry.last_use:
+                    used_since.append((used, key))
+                    continue
+                d = entry.descriptor
+                space = regions.get((d.node, d.region))
+                if space is not None and space.restored is None:
+                    yield key, entry, space
+            used_since.sort(key=_first)
+            requeued, used_since = used_since, []
+            self._requeue(requeued)
+            for _, key in requeued:
+                entry = entries[key]
+                d = entry.descriptor
+                space = regions.get((d.node, d.region))
+                if space is not None and space.restored is None:
+                    yield key, entry, space
+        finally:
+            self._requeue(used_since)
+
+    def _requeue(self, used: list[tuple[float, bytes]]) -> None:
+        """Entries the image saw used since they were queued: queue them as used then."""
+        for when, key in used:
+            entry = self._entries.get(key)
+            if entry is not None and entry.state is _State.PUBLISHED and entry.last_use < when:
+                self._touch(key, entry, when)
 
     def _keep_headroom(self, now: float) -> None:
         """Evict ahead of need until free and retired space make the headroom.

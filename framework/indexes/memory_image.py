@@ -21,17 +21,20 @@ import logging
 import mmap
 import os
 import secrets
+from collections.abc import Sequence
 
 from kvfabric.descriptor import Descriptor
 from kvfabric.spi import (
     IMAGE_REGION,
     ImageGeometry,
+    ImageStop,
     MemoryKind,
     Region,
     image_beat,
     image_store,
     new_rkey,
 )
+from kvfabric.spi.image import image_exists, image_prefix
 
 __all__ = ["MemoryImage", "NoImage"]
 
@@ -74,6 +77,9 @@ class MemoryImage:
         self._window = window
         # One byte per bucket: bytearray.find looks for a free one in C.
         self._used = bytearray(self.geometry.buckets + window - 1)
+        # When the index's own probes last hit each bucket (its clock's seconds; 0: not since
+        # the bucket's key came in): how lookups tell the index what they used.
+        self._stamps = memoryview(bytearray(8 * len(self._used))).cast("d")
         self._where: dict[bytes, int] = {}
         self._spilled: dict[bytes, int] = {}
         """Keys with no room in their window -> their home."""
@@ -96,6 +102,7 @@ class MemoryImage:
             return
         self._used[slot] = 1
         self._where[key] = slot
+        self._stamps[slot] = 0.0
         image_store(self._view, slot, descriptor.to_bytes(), -1)
 
     def remove(self, key: bytes) -> None:
@@ -111,6 +118,40 @@ class MemoryImage:
             if count:
                 self._overflow[home] = count
             image_store(self._view, home, None, count)
+
+    def prefix(self, keys: Sequence[bytes], now: float) -> tuple[int, int, bytes]:
+        """The owner's own prefix probe, as :func:`~kvfabric.spi.image.image_prefix` answers:
+        ``(hits, stop, wires)``; each hit's use is stamped ``now`` (see :meth:`last_use`).
+        Called under the index's lock, so no bucket is being written and neither the CRCs
+        nor the heartbeat need checking."""
+        return image_prefix(
+            self._view,
+            keys,
+            self.geometry.image_id,
+            0.0,
+            checksums=False,
+            stamps=self._stamps,
+            now=now,
+        )
+
+    def exists(self, keys: Sequence[bytes], used_at: float | None = None) -> bytes:
+        """Each key's :class:`~kvfabric.spi.image.ImageStop` state (under the index's lock);
+        with ``used_at``, each hit's use is stamped then."""
+        return image_exists(
+            self._view,
+            keys,
+            self.geometry.image_id,
+            0.0,
+            checksums=False,
+            stamps=None if used_at is None else self._stamps,
+            now=used_at or 0.0,
+        )[1]
+
+    def last_use(self, key: bytes) -> float:
+        """When a probe of the index last hit ``key`` (0.0: none since it came in, or it is
+        not in the image)."""
+        slot = self._where.get(key)
+        return 0.0 if slot is None else self._stamps[slot]
 
     def _warn_if_crowded(self) -> None:
         spilled, total = len(self._spilled), len(self._spilled) + len(self._where)
@@ -151,7 +192,17 @@ class MemoryImage:
 
 
 class NoImage:
-    """What the index holds until it is asked for an image: every call does nothing."""
+    """What an index keeping no image holds (size 0, or closed): it stores nothing and
+    answers no probe, so the index answers every key itself."""
+
+    def prefix(self, keys: Sequence[bytes], now: float) -> tuple[int, int, bytes]:
+        return 0, ImageStop.UNUSABLE, b""
+
+    def exists(self, keys: Sequence[bytes], used_at: float | None = None) -> bytes:
+        return bytes([ImageStop.UNKNOWN]) * len(keys)
+
+    def last_use(self, key: bytes) -> float:
+        return 0.0
 
     def put(self, descriptor: Descriptor) -> None:
         pass

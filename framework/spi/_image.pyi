@@ -14,6 +14,8 @@ def image_prefix(
     image_id: int,
     max_age: float,
     checksums: bool = True,
+    stamps: WriteableBuffer | None = None,
+    now: float = 0.0,
     /,
 ) -> tuple[int, int, bytes]: ...
 def image_exists(
@@ -22,6 +24,8 @@ def image_exists(
     image_id: int,
     max_age: float,
     checksums: bool = True,
+    stamps: WriteableBuffer | None = None,
+    now: float = 0.0,
     /,
 ) -> tuple[bool, bytes]: ...
 def image_apply(

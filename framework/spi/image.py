@@ -257,6 +257,8 @@ def image_prefix(
     max_age: float = 0.0,
     *,
     checksums: bool = True,
+    stamps: WriteableBuffer | None = None,
+    now: float = 0.0,
 ) -> tuple[int, int, bytes]:
     """Walk ``keys`` in order until one is not a hit: ``(hits, stop, wires)``.
 
@@ -268,8 +270,11 @@ def image_prefix(
     bucket there is read between two reads of its sequence number, which the owner makes
     odd before it changes a byte and even after, so a torn read is seen without the CRC
     (about a third of a hit's cost). A key that is not 32 ``bytes`` raises ``TypeError``.
+
+    ``stamps`` (the owner's own probes): one float64 per bucket, each hit's set to ``now``,
+    so the owner learns which entries were used without a step per key in Python.
     """
-    return _image.image_prefix(image, keys, image_id, max_age, checksums)
+    return _image.image_prefix(image, keys, image_id, max_age, checksums, stamps, now)
 
 
 def first_bad_key(keys: Sequence[object]) -> int:
@@ -285,10 +290,12 @@ def image_exists(
     max_age: float = 0.0,
     *,
     checksums: bool = True,
+    stamps: WriteableBuffer | None = None,
+    now: float = 0.0,
 ) -> tuple[bool, bytes]:
     """Every key's state, one :class:`ImageStop` byte each; ``(usable, states)``
-    (``checksums`` as for :func:`image_prefix`)."""
-    return _image.image_exists(image, keys, image_id, max_age, checksums)
+    (``checksums``, ``stamps`` and ``now`` as for :func:`image_prefix`)."""
+    return _image.image_exists(image, keys, image_id, max_age, checksums, stamps, now)
 
 
 def image_apply(

@@ -19,8 +19,9 @@ import pytest
 
 import kvfabric
 from kvfabric import PutOutcome, Store
-from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
+from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor, PackedDescriptors
 from kvfabric.indexes.memory import MemoryIndex
+from kvfabric.indexes.memory_image import MemoryImage
 from kvfabric.keys import chain_keys
 from kvfabric.spi import (
     AllocationRequest,
@@ -274,6 +275,74 @@ def test_a_key_with_no_room_in_its_window_is_unknown_until_it_leaves() -> None:
     assert image_exists(region.view, crowd[1:-1], geometry.image_id)[1] == bytes(
         [HIT] * (geometry.window - 1)
     )
+
+
+def test_lookups_that_reach_the_index_are_answered_from_its_image_in_wire_form() -> None:
+    index = _index(image_size=64 << 10)
+    _, geometry = _image(index)
+    crowd = _same_home_keys(geometry, home=7, n=geometry.window + 1)  # the last one spills
+    others = [_same_home_keys(geometry, home=200 + n, n=1)[0] for n in range(40)]  # no spill
+    stored = _publish(index, others + crowd)
+    keys = [d.key for d in stored]
+    assert index.stats()["image_spilled"] == 1
+    # Every key found: the image's run, then the entries' answer for the spilled key, all in
+    # wire form and equal to what the entries hold.
+    copies = index.lookup_copies(keys)
+    assert isinstance(copies.descriptors, PackedDescriptors)
+    assert list(copies.descriptors) == stored
+    assert copies.descriptors.wires == b"".join(d.to_bytes() for d in stored)
+    # A key never stored ends the run, whether the image or the entries answer for it.
+    assert list(index.lookup_copies([*keys[:5], _keys(1)[0], *keys[5:]]).descriptors) == stored[:5]
+    after_spill = [*keys, _same_home_keys(geometry, home=7, n=1)[0], keys[0]]
+    assert list(index.lookup_copies(after_spill).descriptors) == stored
+    assert index.lookup_copies(_keys(1)).descriptors == []
+    # exists: the image's states, the entries where it cannot tell (the spilled key, a key
+    # of the crowded home never stored).
+    stranger = _same_home_keys(geometry, home=7, n=1)[0]
+    assert index.exists([keys[0], crowd[-1], stranger, _keys(1)[0]]) == [True, True, False, False]
+    stats = index.stats()
+    assert stats["prefix_hits"] == 2 * len(keys) + 5
+    assert stats["lookup_keys"] == len(keys) + (len(keys) + 1) + len(after_spill) + 1
+
+
+def test_the_owners_probes_stamp_the_buckets_they_hit_and_only_those() -> None:
+    index = _index()
+    region, geometry = _image(index)
+    keys = _keys(3)
+    _publish(index, keys)
+    slots = [
+        (_bucket_of(region, geometry, k) - IMAGE_HEADER_SIZE) // IMAGE_BUCKET_SIZE for k in keys
+    ]
+    stamps = memoryview(bytearray(8 * (geometry.buckets + geometry.window - 1))).cast("d")
+    absent = _keys(1)
+    assert image_prefix(
+        region.view,
+        [keys[0], *absent, keys[1]],
+        geometry.image_id,
+        checksums=False,
+        stamps=stamps,
+        now=5.0,
+    )[:2] == (1, MISS)
+    assert image_exists(region.view, [keys[2], *absent], geometry.image_id, stamps=stamps, now=7.0)[
+        1
+    ] == bytes([HIT, MISS])
+    assert [stamps[s] for s in slots] == [5.0, 0.0, 7.0]  # key 1 lay past the miss
+    assert sum(stamps) == 12.0
+    with pytest.raises(ValueError, match="stamps"):
+        image_prefix(region.view, keys, geometry.image_id, stamps=bytearray(8), now=1.0)
+
+
+def test_a_key_taking_a_freed_bucket_does_not_inherit_its_last_use() -> None:
+    image = MemoryImage(64 << 10)
+    first, second = _publish(_index(), _same_home_keys(image.geometry, home=3, n=2))
+    image.put(first)
+    assert image.prefix([first.key], 9.0)[:2] == (1, HIT)
+    assert image.last_use(first.key) == 9.0
+    image.remove(first.key)
+    image.put(second)  # the first free bucket of its window: the one the first key left
+    assert image.last_use(second.key) == 0.0
+    assert image.last_use(first.key) == 0.0  # not in the image
+    image.close()
 
 
 def test_another_image_a_bad_header_or_a_stopped_owner_is_unusable() -> None:

@@ -131,6 +131,47 @@ def test_eviction_prefers_old_entries_weighted_by_retention() -> None:
     assert index.stats()["evictions"] == 1
 
 
+@pytest.mark.parametrize("use", ["lookup", "touch"])
+def test_keys_used_since_the_last_eviction_are_kept_over_older_unused_ones(use: str) -> None:
+    size = record_size(1000)
+    index, clock = _index(capacity=3 * size)
+    for n in (1, 2, 3):
+        _put(index, _key(n))
+        clock.now += 1
+    # Key 1 is the oldest; a use makes key 2 the least recently used, whichever way the
+    # use reached the index (a lookup by RPC, or a client's report of one-sided lookups).
+    for _ in range(3):
+        if use == "lookup":
+            assert len(index.lookup_copies([_key(1)]).descriptors) == 1
+        else:
+            index.touch([_key(1), _key(99)])  # a key never stored is ignored
+        clock.now += 1
+    assert _put(index, _key(4)) == [AllocationKind.GRANTED]
+    assert index.exists([_key(1), _key(2), _key(3), _key(4)]) == [True, False, True, True]
+    # Now key 3 is the least recently used; one use of it, applied by a tick, leaves key 1.
+    index.touch([_key(3)]) if use == "touch" else index.lookup_copies([_key(3)])
+    clock.now += 1
+    index.tick()
+    assert _put(index, _key(5)) == [AllocationKind.GRANTED]
+    assert index.exists([_key(1), _key(3), _key(4), _key(5)]) == [False, True, True, True]
+
+
+def test_when_every_entry_was_used_since_queued_the_least_recently_used_goes() -> None:
+    size = record_size(1000)
+    index, clock = _index(capacity=3 * size)
+    for n in (1, 2, 3):
+        _put(index, _key(n))
+    # Every entry is passed over once (each was used since it was queued); the walk then
+    # ranks them by those uses: key 2's is the oldest.
+    for n in (2, 3, 1):
+        clock.now += 1
+        assert len(index.lookup_copies([_key(n)]).descriptors) == 1
+    clock.now += 1
+    assert _put(index, _key(4)) == [AllocationKind.GRANTED]
+    assert index.exists([_key(1), _key(2), _key(3), _key(4)]) == [True, False, True, True]
+    assert index.stats()["evictions"] == 1
+
+
 def test_headroom_is_kept_by_evicting_ahead_of_need() -> None:
     size = record_size(1000)
     index, clock = _index(capacity=10 * size, headroom=0.25, grace=5.0)

@@ -158,7 +158,7 @@ static int seqlocked_hit(const uint8_t *b, uint64_t tag, uint8_t *fields) {
    its own bucket to be whole; a miss needs every bucket of the window whole, none holding
    the key, and no key of this home that overflowed. */
 static int probe(const uint8_t *window, uint32_t w, const uint8_t *key, uint8_t *fields,
-                 int checksums) {
+                 int checksums, const uint8_t **hit) {
     uint64_t tag = get64(key + TAG_AT);
     int whole = 1;
     uint8_t copy[BUCKET];
@@ -170,19 +170,23 @@ static int probe(const uint8_t *window, uint32_t w, const uint8_t *key, uint8_t 
         if (get64(b + TAG_AT) != tag)
             continue;
         if (!checksums) {
-            if (seqlocked_hit(b, tag, fields))
+            if (seqlocked_hit(b, tag, fields)) {
+                *hit = b;
                 return HIT;
+            }
             break;
         }
         uint32_t seq = copy_bucket(b, copy);
         if (bucket_state(copy, seq, 1) == FULL && get64(copy + TAG_AT) == tag) {
             memcpy(fields, copy + FIELDS_AT, FIELDS);
+            *hit = b;
             return HIT;
         }
         break;
     }
     for (uint32_t i = 0; i < w; i++) {
-        uint32_t seq = copy_bucket(window + (size_t)i * BUCKET, copy);
+        const uint8_t *b = window + (size_t)i * BUCKET;
+        uint32_t seq = copy_bucket(b, copy);
         int state = bucket_state(copy, seq, checksums);
         if (state == TORN) {
             whole = 0;
@@ -192,6 +196,7 @@ static int probe(const uint8_t *window, uint32_t w, const uint8_t *key, uint8_t 
             whole = 0; /* a key of this home may be outside the image */
         if (state == FULL && get64(copy + TAG_AT) == tag) {
             memcpy(fields, copy + FIELDS_AT, FIELDS);
+            *hit = b;
             return HIT;
         }
     }
@@ -207,12 +212,25 @@ typedef struct {
     Py_ssize_t n;
     Geometry g;
     int checksums; /* check each bucket's CRC (a mirror); else the seqlock alone (the owner's memory) */
+    Py_buffer stamps; /* the owner's: one double per bucket, set to `now` by each hit */
+    int has_stamps;
+    double now;
 } Probe;
 
 static void probe_release(Probe *p) {
     if (p->has_image)
         PyBuffer_Release(&p->image);
+    if (p->has_stamps)
+        PyBuffer_Release(&p->stamps);
     Py_XDECREF(p->keys);
+}
+
+/* A hit in bucket `b`: its stamp is now (the owner's own probes, which count as uses). */
+static inline void stamp_hit(Probe *p, const uint8_t *b) {
+    if (p->has_stamps) {
+        size_t bucket = (size_t)(b - ((const uint8_t *)p->image.buf + HEADER)) / BUCKET;
+        ((double *)p->stamps.buf)[bucket] = p->now;
+    }
 }
 
 static int check_keys(PyObject *fast, const char *func) {
@@ -226,18 +244,25 @@ static int check_keys(PyObject *fast, const char *func) {
     return 0;
 }
 
-/* Parse (image, keys, image_id, max_age[, checksums]). Returns 0, 1 when the image is not usable
+/* Parse (image, keys, image_id, max_age[, checksums[, stamps, now]]). Returns 0, 1 when the image is not usable
    (another image, a bad header, a stale heartbeat: every key is unknown), -1 on error. */
 static int probe_args(PyObject *args, Probe *p, const char *func) {
     PyObject *keys;
     unsigned long long id;
     double max_age;
     int checksums = 1;
+    PyObject *stamps = Py_None;
     memset(p, 0, sizeof *p);
-    if (!PyArg_ParseTuple(args, "y*OKd|p", &p->image, &keys, &id, &max_age, &checksums))
+    if (!PyArg_ParseTuple(args, "y*OKd|pOd", &p->image, &keys, &id, &max_age, &checksums,
+                          &stamps, &p->now))
         return -1;
     p->checksums = checksums;
     p->has_image = 1;
+    if (stamps != Py_None) {
+        if (PyObject_GetBuffer(stamps, &p->stamps, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            return -1;
+        p->has_stamps = 1;
+    }
     p->keys = PySequence_Fast(keys, "keys must be a sequence of 32-byte keys");
     if (!p->keys)
         return -1;
@@ -254,6 +279,14 @@ static int probe_args(PyObject *args, Probe *p, const char *func) {
         /* 0: the owner closed the image. Older than max_age: the owner stopped. */
         if (beat == 0 || (now > beat && (double)(now - beat) > max_age * 1e9))
             return check_keys(p->keys, func) < 0 ? -1 : 1;
+    }
+    if (p->has_stamps) {
+        Py_ssize_t buckets = (Py_ssize_t)(((uint64_t)1 << p->g.log2) + p->g.window - 1);
+        if (p->stamps.len < buckets * (Py_ssize_t)sizeof(double)) {
+            PyErr_Format(PyExc_ValueError, "%s: stamps hold %zd bytes, the image's %zd buckets "
+                         "need %zd", func, p->stamps.len, buckets, buckets * (Py_ssize_t)sizeof(double));
+            return -1;
+        }
     }
     return 0;
 }
@@ -322,11 +355,13 @@ static PyObject *kvf_image_prefix(PyObject *self, PyObject *args) {
             return NULL;
         }
         uint8_t *wire = out + hits * WIRE;
-        int state = probe(window_of(&p, key), p.g.window, key, wire + KEY, p.checksums);
+        const uint8_t *bucket = NULL;
+        int state = probe(window_of(&p, key), p.g.window, key, wire + KEY, p.checksums, &bucket);
         if (state != HIT) {
             stop = state;
             break;
         }
+        stamp_hit(&p, bucket);
         memcpy(wire, key, KEY);
         hits++;
     }
@@ -369,7 +404,11 @@ static PyObject *kvf_image_exists(PyObject *self, PyObject *args) {
                 Py_DECREF(states);
                 return NULL;
             }
-            out[i] = (uint8_t)probe(window_of(&p, key), p.g.window, key, fields, p.checksums);
+            const uint8_t *bucket = NULL;
+            out[i] = (uint8_t)probe(window_of(&p, key), p.g.window, key, fields, p.checksums,
+                                    &bucket);
+            if (out[i] == HIT)
+                stamp_hit(&p, bucket);
         }
     }
     probe_release(&p);
@@ -586,9 +625,11 @@ static PyMethodDef methods[] = {
     {"image_beat", kvf_image_beat, METH_VARARGS,
      "image_beat(image, alive, /): stamp the header's heartbeat (0: closed)."},
     {"image_prefix", kvf_image_prefix, METH_VARARGS,
-     "image_prefix(image, keys, image_id, max_age, /) -> (hits, stop, wires)"},
+     "image_prefix(image, keys, image_id, max_age, checksums=True, stamps=None, now=0.0, /) "
+     "-> (hits, stop, wires)"},
     {"image_exists", kvf_image_exists, METH_VARARGS,
-     "image_exists(image, keys, image_id, max_age, /) -> (usable, states)"},
+     "image_exists(image, keys, image_id, max_age, checksums=True, stamps=None, now=0.0, /) "
+     "-> (usable, states)"},
     {"first_bad_key", kvf_first_bad_key, METH_O,
      "first_bad_key(keys, /) -> the position of the first item not 32 bytes, or -1"},
     {"image_apply", kvf_image_apply, METH_VARARGS,

@@ -36,7 +36,7 @@ from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ValidationError
 from kvfabric.spi.buffers import byte_view, writable_view
 from kvfabric.spi.index import NodeInfo
-from kvfabric.spi.record import HEADER_SIZE, pack_header, validate_record
+from kvfabric.spi.record import HEADER_SIZE, pack_headers, validate_record
 from kvfabric.spi.transport import Segment, TransportClient
 
 __all__ = ["ReadReport", "RecordIO", "WriteReport", "value_pieces"]
@@ -329,15 +329,16 @@ class RecordIO:
                 offset += piece.nbytes
             spans.append((start, len(payloads)))
 
+        keys = [d.key for d, _ in items]
+        versions = [d.version for d, _ in items]
+        lengths = [d.length for d, _ in items]
+
         def headers(crcs: list[int]) -> list[Segment]:
+            # All of them in one native call; each segment lands one slice of the block.
+            block = memoryview(pack_headers(keys, versions, lengths, crcs))
             return [
-                Segment(
-                    d.region,
-                    d.rkey,
-                    d.offset,
-                    memoryview(pack_header(d.key, d.version, d.length, crc)),
-                )
-                for (d, _), crc in zip(items, crcs, strict=True)
+                Segment(d.region, d.rkey, d.offset, block[at : at + HEADER_SIZE])
+                for (d, _), at in zip(items, range(0, len(block), HEADER_SIZE), strict=True)
             ]
 
         errors, crcs = client.write_checksummed(node, payloads, spans, headers)

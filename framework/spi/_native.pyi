@@ -12,6 +12,9 @@ class PeerClosed(ConnectionError):
 
 def crc32c(data: ReadableBuffer, value: int = 0, /) -> int: ...
 def crc32c_portable(data: ReadableBuffer, value: int = 0, /) -> int: ...
+def pack_headers(
+    keys: Sequence[bytes], versions: Sequence[int], lengths: Sequence[int], crcs: Sequence[int], /
+) -> bytes: ...
 def crc32c_many(
     values: Sequence[ReadableBuffer | Sequence[ReadableBuffer]],
     initial: Sequence[int] | None = None,

@@ -62,6 +62,7 @@ __all__ = [
     "crc32c_many",
     "crc32c_portable",
     "gil_reacquisitions",
+    "pack_headers",
     "prefault",
     "recv_into_all",
     "request_reply",
@@ -106,6 +107,13 @@ def crc32c_portable(data: ReadableBuffer, value: int = 0) -> int:
     What runs where the CPU has no CRC32 instruction; here so it can be checked anywhere.
     """
     return _native.crc32c_portable(data, value)
+
+
+def pack_headers(
+    keys: Sequence[bytes], versions: Sequence[int], lengths: Sequence[int], crcs: Sequence[int]
+) -> bytes:
+    """Record headers (:func:`kvfabric.spi.record.pack_header` each), back to back."""
+    return _native.pack_headers(keys, versions, lengths, crcs)
 
 
 def crc32c_many(

@@ -25,6 +25,7 @@ __all__ = [
     "checksum",
     "checksum_pieces",
     "pack_header",
+    "pack_headers",
     "parse_header",
     "record_size",
     "validate_record",
@@ -87,6 +88,14 @@ class RecordHeader:
 def pack_header(key: bytes, version: int, length: int, crc: int) -> bytes:
     head = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, key, version, length, crc, 0)
     return head[:_HEADER_CRC_SPAN] + struct.pack("<I", checksum(head[:_HEADER_CRC_SPAN]))
+
+
+def pack_headers(
+    keys: Sequence[bytes], versions: Sequence[int], lengths: Sequence[int], crcs: Sequence[int]
+) -> bytes:
+    """:func:`pack_header` of each (key, version, length, crc), back to back, in one native
+    call (a batch's headers: ~2 us each in Python)."""
+    return native.pack_headers(keys, versions, lengths, crcs)
 
 
 def parse_header(data: bytes | bytearray | memoryview) -> RecordHeader:

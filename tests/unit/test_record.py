@@ -10,6 +10,7 @@ from kvfabric.spi.record import (
     Failure,
     checksum,
     pack_header,
+    pack_headers,
     parse_header,
     record_size,
     validate_record,
@@ -84,6 +85,31 @@ def test_a_good_record_validates() -> None:
     validate_record(header, PAYLOAD, _descriptor(), KEY)
     parsed = parse_header(header)
     assert (parsed.key, parsed.version, parsed.length) == (KEY, 7, len(PAYLOAD))
+
+
+def test_a_batch_of_headers_packed_at_once_equals_each_packed_alone() -> None:
+    keys = [KEY, OTHER, bytes(32)]
+    versions, lengths, crcs = [7, 2**64 - 1, 0], [len(PAYLOAD), 0, 2**40], [1, 2**32 - 1, 0]
+    packed = pack_headers(keys, versions, lengths, crcs)
+    assert packed == b"".join(map(pack_header, keys, versions, lengths, crcs))
+    assert parse_header(packed[HEADER_SIZE : 2 * HEADER_SIZE]).key == OTHER
+    assert pack_headers([], [], [], []) == b""
+
+
+@pytest.mark.parametrize(
+    ("keys", "versions", "lengths", "crcs", "error"),
+    [
+        ([KEY[:31]], [1], [1], [1], TypeError),
+        ([KEY], [-1], [1], [1], ValueError),
+        ([KEY], [1], [1], [2**32], ValueError),
+        ([KEY], [1, 2], [1], [1], ValueError),
+    ],
+)
+def test_a_batch_of_headers_refuses_what_one_header_cannot_hold(
+    keys: list[bytes], versions: list[int], lengths: list[int], crcs: list[int], error: type
+) -> None:
+    with pytest.raises(error, match="pack_headers"):
+        pack_headers(keys, versions, lengths, crcs)
 
 
 def _fails(failure: Failure, header: bytes, payload: bytes, d: Descriptor, key: bytes) -> None:

@@ -25,8 +25,9 @@ The index also keeps its published entries in a lookup image
 controller serving it lets clients answer lookups without asking; those lookups do not reach
 the index, and clients report the keys they used in batches (:meth:`MemoryIndex.touch`), so
 eviction still sees the use. Lookups that do reach it are answered from the image too: one C
-probe finds the leading run and hands back its descriptors in wire form, and only the LRU
-touch of each hit is left to Python.
+probe finds the leading run, hands back its descriptors in wire form and stamps each hit's
+use beside the image; reported uses are stamped the same way, and the LRU learns of them when
+eviction walks it (:meth:`MemoryIndex._evictable`). No step per key runs in Python.
 """
 
 from __future__ import annotations
@@ -452,11 +453,10 @@ class MemoryIndex(IndexPlugin):
     def lookup_copies(self, keys: Sequence[bytes]) -> Copies:
         with self._lock:
             now = self._clock()
-            # The image answers the leading run in C, its descriptors already in wire
-            # form, so the reply needs no per-key encoding; with replicas it would not
-            # hold the alternates in the same probe, and the loop below answers.
-            # The probe stamps each hit's use in the image: the LRU learns of it when
-            # eviction next walks it (see _evictable), not by a step per key here.
+            # The image answers the leading run in C, its descriptors already in wire form
+            # (the reply needs no per-key encoding), and stamps each hit's use there (the
+            # LRU learns of it when eviction walks it). With replicas the probe would not
+            # find the alternates: the loop below answers.
             hits, stop, wires = (
                 self._image.prefix(keys, now)
                 if self._replicas == 1
@@ -859,6 +859,12 @@ class MemoryIndex(IndexPlugin):
         until the node is done, so evicting them would only lose hits.
         """
         entries, regions, last_use = self._entries, self._regions, self._image.last_use
+
+        def granting(entry: _Entry) -> RegionSpace | None:
+            d = entry.descriptor
+            space = regions.get((d.node, d.region))
+            return space if space is not None and space.restored is None else None
+
         used_since: list[tuple[float, bytes]] = []
         try:
             for key in self._lru:
@@ -866,19 +872,14 @@ class MemoryIndex(IndexPlugin):
                 used = last_use(key)
                 if used > entry.last_use:
                     used_since.append((used, key))
-                    continue
-                d = entry.descriptor
-                space = regions.get((d.node, d.region))
-                if space is not None and space.restored is None:
+                elif (space := granting(entry)) is not None:
                     yield key, entry, space
             used_since.sort(key=_first)
             requeued, used_since = used_since, []
             self._requeue(requeued)
             for _, key in requeued:
                 entry = entries[key]
-                d = entry.descriptor
-                space = regions.get((d.node, d.region))
-                if space is not None and space.restored is None:
+                if (space := granting(entry)) is not None:
                     yield key, entry, space
         finally:
             self._requeue(used_since)

@@ -78,8 +78,10 @@ class MemoryImage:
         # One byte per bucket: bytearray.find looks for a free one in C.
         self._used = bytearray(self.geometry.buckets + window - 1)
         # When the index's own probes last hit each bucket (its clock's seconds; 0: not since
-        # the bucket's key came in): how lookups tell the index what they used.
-        self._stamps = memoryview(bytearray(8 * len(self._used))).cast("d")
+        # the bucket's key came in): how lookups tell the index what they used. Anonymous
+        # memory, like the image's: a page exists once a stamp in it is written.
+        self._stamp_pages = mmap.mmap(-1, 8 * len(self._used))
+        self._stamps = memoryview(self._stamp_pages).cast("d")
         self._where: dict[bytes, int] = {}
         self._spilled: dict[bytes, int] = {}
         """Keys with no room in their window -> their home."""
@@ -187,6 +189,9 @@ class MemoryImage:
         with contextlib.suppress(BufferError):
             self._view.release()
             self._mapping.close()
+        with contextlib.suppress(BufferError):
+            self._stamps.release()
+            self._stamp_pages.close()
         with contextlib.suppress(OSError):
             os.close(self._fd)
 

@@ -456,10 +456,11 @@ class MemoryIndex(IndexPlugin):
             # The image answers the leading run in C, its descriptors already in wire form
             # (the reply needs no per-key encoding), and stamps each hit's use there (the
             # LRU learns of it when eviction walks it). With replicas the probe would not
-            # find the alternates: the loop below answers.
+            # find the alternates, and a key that is not 32 bytes names no entry: the loop
+            # below answers.
             hits, stop, wires = (
                 self._image.prefix(keys, now)
-                if self._replicas == 1
+                if self._replicas == 1 and first_bad_key(keys) < 0
                 else (0, ImageStop.UNUSABLE, b"")
             )
             entries, touch = self._entries, self._lru.move_to_end
@@ -508,7 +509,8 @@ class MemoryIndex(IndexPlugin):
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
             self._counters["exists_calls"] += 1
-            states = self._image.exists(keys) if self._replicas == 1 else b""
+            probe = self._replicas == 1 and first_bad_key(keys) < 0
+            states = self._image.exists(keys) if probe else b""
             if states and ImageStop.UNKNOWN not in states:
                 return [state == ImageStop.HIT for state in states]
             published = _State.PUBLISHED

@@ -300,9 +300,12 @@ def test_lookups_that_reach_the_index_are_answered_from_its_image_in_wire_form()
     # of the crowded home never stored).
     stranger = _same_home_keys(geometry, home=7, n=1)[0]
     assert index.exists([keys[0], crowd[-1], stranger, _keys(1)[0]]) == [True, True, False, False]
+    # A key that is not 32 bytes names no entry: a miss, as the entries would answer.
+    assert list(index.lookup_copies([keys[0], b"short", keys[1]]).descriptors) == stored[:1]
+    assert index.exists([keys[0], b"short"]) == [True, False]
     stats = index.stats()
-    assert stats["prefix_hits"] == 2 * len(keys) + 5
-    assert stats["lookup_keys"] == len(keys) + (len(keys) + 1) + len(after_spill) + 1
+    assert stats["prefix_hits"] == 2 * len(keys) + 5 + 1
+    assert stats["lookup_keys"] == len(keys) + (len(keys) + 1) + len(after_spill) + 1 + 3
 
 
 def test_the_owners_probes_stamp_the_buckets_they_hit_and_only_those() -> None:

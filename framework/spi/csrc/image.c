@@ -225,11 +225,12 @@ static void probe_release(Probe *p) {
     Py_XDECREF(p->keys);
 }
 
-/* A hit in bucket `b`: its stamp is now (the owner's own probes, which count as uses). */
+/* A hit in bucket `b`: its stamp is now (the owner's own probes, which count as uses).
+   memcpy, not a double store: the caller's buffer need not be aligned. */
 static inline void stamp_hit(Probe *p, const uint8_t *b) {
     if (p->has_stamps) {
         size_t bucket = (size_t)(b - ((const uint8_t *)p->image.buf + HEADER)) / BUCKET;
-        ((double *)p->stamps.buf)[bucket] = p->now;
+        memcpy((uint8_t *)p->stamps.buf + bucket * sizeof(double), &p->now, sizeof(double));
     }
 }
 
@@ -244,8 +245,9 @@ static int check_keys(PyObject *fast, const char *func) {
     return 0;
 }
 
-/* Parse (image, keys, image_id, max_age[, checksums[, stamps, now]]). Returns 0, 1 when the image is not usable
-   (another image, a bad header, a stale heartbeat: every key is unknown), -1 on error. */
+/* Parse (image, keys, image_id, max_age[, checksums[, stamps, now]]). Returns 0, 1 when the
+   image is not usable (another image, a bad header, a stale heartbeat: every key is unknown),
+   -1 on error. */
 static int probe_args(PyObject *args, Probe *p, const char *func) {
     PyObject *keys;
     unsigned long long id;
@@ -283,8 +285,9 @@ static int probe_args(PyObject *args, Probe *p, const char *func) {
     if (p->has_stamps) {
         Py_ssize_t buckets = (Py_ssize_t)(((uint64_t)1 << p->g.log2) + p->g.window - 1);
         if (p->stamps.len < buckets * (Py_ssize_t)sizeof(double)) {
-            PyErr_Format(PyExc_ValueError, "%s: stamps hold %zd bytes, the image's %zd buckets "
-                         "need %zd", func, p->stamps.len, buckets, buckets * (Py_ssize_t)sizeof(double));
+            PyErr_Format(PyExc_ValueError,
+                         "%s: stamps hold %zd bytes, the image's %zd buckets need %zd", func,
+                         p->stamps.len, buckets, buckets * (Py_ssize_t)sizeof(double));
             return -1;
         }
     }

@@ -1,10 +1,11 @@
 """The memory index's lookup image: its published entries, as a table clients read one-sided.
 
-The index keeps it only once asked (:meth:`MemoryIndex.lookup_image`: a controller that
-serves it), and from then on calls :meth:`MemoryImage.put` for every entry it publishes and
-:meth:`MemoryImage.remove` for every entry that leaves, under its own lock, so there is one
-writer. The format is :mod:`kvfabric.spi.image`'s; this module owns the memory and where each
-key sits.
+The index keeps one from the start (unless its size is 0), served or not: it calls
+:meth:`MemoryImage.put` for every entry it publishes and :meth:`MemoryImage.remove` for every
+entry that leaves, under its own lock, so there is one writer, and answers lookups that reach
+it from the image too (:meth:`MemoryImage.prefix`, which also stamps each hit's use in memory
+of the index's own, :meth:`MemoryImage.last_use`). The format is :mod:`kvfabric.spi.image`'s;
+this module owns the memory and where each key sits.
 
 The memory is a memfd, like the ``dram`` backend's regions: a client on the same host maps
 it read-only, and the controller registers it with its transport servers like a region.

@@ -326,9 +326,10 @@ def test_the_owners_probes_stamp_the_buckets_they_hit_and_only_those() -> None:
         stamps=stamps,
         now=5.0,
     )[:2] == (1, MISS)
-    assert image_exists(region.view, [keys[2], *absent], geometry.image_id, stamps=stamps, now=7.0)[
-        1
-    ] == bytes([HIT, MISS])
+    _, states = image_exists(
+        region.view, [keys[2], *absent], geometry.image_id, stamps=stamps, now=7.0
+    )
+    assert states == bytes([HIT, MISS])
     assert [stamps[s] for s in slots] == [5.0, 0.0, 7.0]  # key 1 lay past the miss
     assert sum(stamps) == 12.0
     with pytest.raises(ValueError, match="stamps"):

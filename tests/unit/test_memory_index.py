@@ -131,25 +131,30 @@ def test_eviction_prefers_old_entries_weighted_by_retention() -> None:
     assert index.stats()["evictions"] == 1
 
 
-@pytest.mark.parametrize("use", ["lookup", "touch"])
-def test_keys_used_since_the_last_eviction_are_kept_over_older_unused_ones(use: str) -> None:
+@pytest.mark.parametrize("how", ["lookup", "touch"])
+def test_keys_used_since_the_last_eviction_are_kept_over_older_unused_ones(how: str) -> None:
     size = record_size(1000)
     index, clock = _index(capacity=3 * size)
+
+    def use(n: int) -> None:
+        """Use key ``n`` as the index hears of it: a lookup by RPC, or a client's report of
+        one-sided lookups (a key never stored in the same report is ignored)."""
+        if how == "lookup":
+            assert len(index.lookup_copies([_key(n)]).descriptors) == 1
+        else:
+            index.touch([_key(n), _key(99)])
+
     for n in (1, 2, 3):
         _put(index, _key(n))
         clock.now += 1
-    # Key 1 is the oldest; a use makes key 2 the least recently used, whichever way the
-    # use reached the index (a lookup by RPC, or a client's report of one-sided lookups).
+    # Key 1 is the oldest; its uses make key 2 the least recently used.
     for _ in range(3):
-        if use == "lookup":
-            assert len(index.lookup_copies([_key(1)]).descriptors) == 1
-        else:
-            index.touch([_key(1), _key(99)])  # a key never stored is ignored
+        use(1)
         clock.now += 1
     assert _put(index, _key(4)) == [AllocationKind.GRANTED]
     assert index.exists([_key(1), _key(2), _key(3), _key(4)]) == [True, False, True, True]
     # Now key 3 is the least recently used; one use of it, applied by a tick, leaves key 1.
-    index.touch([_key(3)]) if use == "touch" else index.lookup_copies([_key(3)])
+    use(3)
     clock.now += 1
     index.tick()
     assert _put(index, _key(5)) == [AllocationKind.GRANTED]

@@ -419,36 +419,11 @@ class MemoryIndex(IndexPlugin):
     # -- lookups -----------------------------------------------------------------------
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> list[Descriptor]:
-        with self._lock:
-            now = self._clock()
-            found: list[Descriptor] = []
-            entries, touch, published = self._entries, self._lru.move_to_end, _State.PUBLISHED
-            for key in keys:  # the hottest loop of the controller: kept flat
-                entry = entries.get(key)
-                if entry is None or entry.state is not published:
-                    break
-                entry.last_use = now
-                touch(key)
-                found.append(entry.descriptor)
-            self._counters["lookups"] += 1
-            self._counters["lookup_keys"] += len(keys)
-            self._counters["prefix_hits"] += len(found)
-            return found
+        # One walk for both: the image's probe, then the entries where it cannot tell.
+        return [d for d in self.lookup_copies(keys).descriptors if d is not None]
 
     def resolve(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
-        with self._lock:
-            now = self._clock()
-            out: list[Descriptor | None] = []
-            for key in keys:
-                entry = self._entries.get(key)
-                if entry is None or entry.state is not _State.PUBLISHED:
-                    out.append(None)
-                    continue
-                self._touch(key, entry, now)
-                out.append(entry.descriptor)
-            self._counters["resolves"] += 1
-            self._counters["resolve_hits"] += sum(d is not None for d in out)
-            return out
+        return list(self.resolve_copies(keys).descriptors)
 
     def lookup_copies(self, keys: Sequence[bytes]) -> Copies:
         with self._lock:

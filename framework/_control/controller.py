@@ -57,6 +57,8 @@ _CLIENT_TYPES = frozenset(
         MsgType.ABORT,
         MsgType.UNPUBLISH,
         MsgType.IMAGE,
+        MsgType.LEASE_EXTENTS,
+        MsgType.PUBLISH_CARVED,
     }
 )
 
@@ -123,6 +125,8 @@ class Controller:
             MsgType.REPORT_INVALID: self._report_invalid,
             MsgType.IMAGE: self._image_location,
             MsgType.TOUCH: self._touch,
+            MsgType.LEASE_EXTENTS: self._lease_extents,
+            MsgType.PUBLISH_CARVED: self._publish_carved,
         }
 
     # -- serving ---------------------------------------------------------------------------
@@ -218,6 +222,7 @@ class Controller:
             path=region.path if st and region.path else "",
             device=st.st_dev if st else 0,
             inode=st.st_ino if st else 0,
+            extents=self.index.leases_extents(),
         )
 
     def _start_authenticator(self, context: zmq.Context[zmq.Socket[bytes]]) -> Any:
@@ -355,6 +360,16 @@ class Controller:
     def _publish(self, r: Reader) -> Callable[[], bytes]:
         grants = p.read_grants(r)
         return lambda: p.write_flags(self.index.publish(grants))
+
+    def _lease_extents(self, r: Reader) -> Callable[[], bytes]:
+        need, want, count, exclude, returned = p.read_lease_request(r)
+        return lambda: p.write_extents(
+            self.index.lease_extents(need, want, count, exclude, returned)
+        )
+
+    def _publish_carved(self, r: Reader) -> Callable[[], bytes]:
+        records, again = p.read_carved(r)
+        return lambda: p.write_carve_outcomes(self.index.publish_carved(records, again))
 
     def _abort(self, r: Reader) -> Callable[[], bytes]:
         grants = p.read_grants(r)

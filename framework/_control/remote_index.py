@@ -8,10 +8,14 @@ from kvfabric._control.client import ControlClient, ControllerRefusedError
 from kvfabric._wire import protocol as p
 from kvfabric._wire.protocol import ErrorCode, ImageLocation, MsgType
 from kvfabric.descriptor import Descriptor
+from kvfabric.errors import ProtocolError
 from kvfabric.spi.index import (
     AllocateResult,
     AllocationRequest,
+    CarvedRecord,
+    CarveOutcome,
     Copies,
+    Extent,
     GrantRef,
     Index,
     NodeInfo,
@@ -25,6 +29,11 @@ class RemoteIndex(Index):
 
     def __init__(self, client: ControlClient) -> None:
         self.client = client
+        self._leases_extents = False
+
+    def leases_extents(self) -> bool:
+        """What the controller said when this client last asked where its image is."""
+        return self._leases_extents
 
     def nodes(self) -> list[NodeInfo]:
         r = self.client.call(MsgType.NODES)
@@ -68,6 +77,32 @@ class RemoteIndex(Index):
         r.end()
         return flags
 
+    def lease_extents(
+        self,
+        need: int,
+        want: int,
+        count: int,
+        exclude: Sequence[int] = (),
+        returned: Sequence[int] = (),
+    ) -> list[Extent]:
+        body = p.write_lease_request(need, want, count, exclude, returned)
+        r = self.client.call(MsgType.LEASE_EXTENTS, body)
+        extents = p.read_extents(r)
+        r.end()
+        if len(extents) > count:
+            raise ProtocolError(f"{len(extents)} extents leased of {count} asked for")
+        return extents
+
+    def publish_carved(
+        self, records: Sequence[CarvedRecord], again: Sequence[bytes] = ()
+    ) -> list[CarveOutcome]:
+        r = self.client.call(MsgType.PUBLISH_CARVED, p.write_carved(records, again))
+        outcomes = p.read_carve_outcomes(r)
+        r.end()
+        if len(outcomes) != len(records):
+            raise ProtocolError(f"{len(outcomes)} outcomes for {len(records)} records")
+        return outcomes
+
     def abort(self, grants: Sequence[GrantRef]) -> None:
         self.client.call(MsgType.ABORT, p.write_grants(grants)).end()
 
@@ -100,6 +135,7 @@ class RemoteIndex(Index):
             raise
         location = p.read_image_location(r)
         r.end()
+        self._leases_extents = location is not None and location.extents
         return location
 
 

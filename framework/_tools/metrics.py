@@ -46,6 +46,7 @@ _GAUGES = frozenset(
         "nodes",
         "entries",
         "pending",
+        "extents",
         "regions",
         "registered",
         "arenas",
@@ -59,7 +60,7 @@ _SHARD = re.compile(r"^shard\d+_")
 _HELP: dict[str, str] = {
     # controller
     "controller_rpcs": "Client requests served (node lists, lookups, resolves, exists, "
-    "allocates, publishes, aborts, unpublishes).",
+    "allocates, publishes, aborts, unpublishes, extent leases, publishes of carved records).",
     "controller_node_rpcs": "Requests from data nodes and tools (register, heartbeat, stats).",
     "controller_bad_frames": "Frames the controller could not decode.",
     "controller_refused": "Requests answered with an error reply.",
@@ -82,6 +83,13 @@ _HELP: dict[str, str] = {
     "index_unpublished": "Records deleted.",
     "index_evictions": "Records evicted (least recently used) to make room.",
     "index_lease_expiries": "Grants whose writer did not publish within the lease.",
+    "index_extents_leased": "Extents leased to writers (who lay their records into them).",
+    "index_extents_returned": "Extents writers gave back, their unused part freed.",
+    "index_extent_expiries": "Extents whose lease ran out, their unused part freed.",
+    "index_carved": "Records published from extents (a put of one round trip).",
+    "index_carve_refused": "Records from extents refused (lease over, or outside its unused part).",
+    "index_extents": "Extents leased to writers now.",
+    "index_extent_bytes": "Bytes of leased extents not used yet (neither free nor used).",
     "index_nodes": "Data nodes registered.",
     "index_entries": "Records stored and readable.",
     "index_pending": "Records granted and not yet published.",

@@ -37,6 +37,12 @@ A client asks once where the index's lookup image is (``IMAGE``: the transports 
 it, and for a client on the controller's host the file to map) and answers lookups from it;
 the keys it hit there it reports in the background, batched (``TOUCH``), so eviction still
 sees their use.
+
+A writer may instead lease *extents* (``LEASE_EXTENTS``: runs of regions, one per data node,
+with versions set aside for each) and lay records into them itself; one ``PUBLISH_CARVED``
+then publishes a batch of them (extent, key, offset, length, version, CRC each), so a put
+costs one control round trip. The lease request gives back the extents the writer is done
+with; its reply holds the extents leased, none when the index leases none or has no room.
 """
 
 from __future__ import annotations
@@ -59,7 +65,10 @@ from kvfabric.spi.index import (
     Allocation,
     AllocationKind,
     AllocationRequest,
+    CarvedRecord,
+    CarveOutcome,
     Copies,
+    Extent,
     GrantRef,
     NodeInfo,
 )
@@ -122,6 +131,8 @@ class MsgType(enum.IntEnum):
     REPORT_INVALID = 15
     IMAGE = 16
     TOUCH = 17
+    LEASE_EXTENTS = 18
+    PUBLISH_CARVED = 19
     ERROR = 0x7FFF
 
 
@@ -363,6 +374,108 @@ def _allocation(
     return allocation
 
 
+_LEASE_REQUEST = struct.Struct("<QQI")
+_EXTENT = struct.Struct("<QIIQQQQQIII")
+_CARVED = struct.Struct("<Q32sQQQI")
+MAX_LEASE_LIST = 1 << 10
+"""Extents one lease request may ask for or give back, and nodes it may exclude."""
+
+
+def write_lease_request(
+    need: int, want: int, count: int, exclude: Sequence[int], returned: Sequence[int]
+) -> bytes:
+    return b"".join(
+        (
+            _LEASE_REQUEST.pack(need, want, count),
+            struct.pack(f"<I{len(exclude)}I", len(exclude), *exclude),
+            struct.pack(f"<I{len(returned)}Q", len(returned), *returned),
+        )
+    )
+
+
+def read_lease_request(r: Reader) -> tuple[int, int, int, list[int], list[int]]:
+    need, want, count = _LEASE_REQUEST.unpack(r.raw(_LEASE_REQUEST.size))
+    if count > MAX_LEASE_LIST:
+        raise ProtocolError(f"{count} extents asked for at once")
+    n = r.count(4, MAX_LEASE_LIST)
+    exclude = list(struct.unpack(f"<{n}I", r.raw(4 * n)))
+    n = r.count(8, MAX_LEASE_LIST)
+    returned = list(struct.unpack(f"<{n}Q", r.raw(8 * n)))
+    return need, want, count, exclude, returned
+
+
+def write_extents(extents: Sequence[Extent]) -> bytes:
+    w = Writer().u32(len(extents))
+    for e in extents:
+        lease_ms = min(int(e.lease * 1000), (1 << 32) - 1)
+        fields = (e.id, e.node, e.region, e.rkey, e.offset, e.size, e.first_version, e.versions)
+        evictions = min(e.evictions, (1 << 32) - 1)
+        w.raw(_EXTENT.pack(*fields, lease_ms, evictions, e.nodes_generation))
+    return w.getvalue()
+
+
+def read_extents(r: Reader) -> list[Extent]:
+    out = []
+    for _ in range(r.count(_EXTENT.size, MAX_LEASE_LIST)):
+        fields = _EXTENT.unpack(r.raw(_EXTENT.size))
+        extent_id, node, region, rkey, offset, size, first, versions, lease_ms, evicted, gen = (
+            fields
+        )
+        if size <= 0 or offset + size >= 1 << 64 or first + versions >= 1 << 64:
+            raise ProtocolError(f"extent of {size} bytes at {offset}, versions from {first}")
+        out.append(
+            Extent(
+                id=extent_id,
+                node=node,
+                region=region,
+                rkey=rkey,
+                offset=offset,
+                size=size,
+                first_version=first,
+                versions=versions,
+                lease=lease_ms / 1000,
+                evictions=evicted,
+                nodes_generation=gen,
+            )
+        )
+    return out
+
+
+def write_carved(records: Sequence[CarvedRecord], again: Sequence[bytes]) -> bytes:
+    """``PUBLISH_CARVED``: the records (each naming its extent), then the keys found
+    stored again."""
+    carved = b"".join(
+        _CARVED.pack(c.extent, c.key, c.offset, c.length, c.version, c.crc) for c in records
+    )
+    return struct.pack("<I", len(records)) + carved + write_keys(again)
+
+
+def read_carved(r: Reader) -> tuple[list[CarvedRecord], list[bytes]]:
+    n = r.count(_CARVED.size, MAX_BATCH)
+    records = [
+        CarvedRecord(extent=e, key=key, offset=offset, length=length, version=version, crc=crc)
+        for e, key, offset, length, version, crc in _CARVED.iter_unpack(r.raw(n * _CARVED.size))
+    ]
+    return records, read_keys(r)
+
+
+_CARVE_OUTCOMES = {outcome.value: outcome for outcome in CarveOutcome}
+
+
+def write_carve_outcomes(outcomes: Sequence[CarveOutcome]) -> bytes:
+    return struct.pack("<I", len(outcomes)) + bytes(o.value for o in outcomes)
+
+
+def read_carve_outcomes(r: Reader) -> list[CarveOutcome]:
+    out = []
+    for value in r.raw(r.count(1, MAX_BATCH)):
+        outcome = _CARVE_OUTCOMES.get(value)
+        if outcome is None:
+            raise ProtocolError(f"unknown carve outcome {value}")
+        out.append(outcome)
+    return out
+
+
 _GRANT = struct.Struct("<32sQI")
 
 
@@ -463,6 +576,8 @@ class ImageLocation:
     device: int = 0
     inode: int = 0
     """What the opened ``path`` must be: the very file, not one at a same-named path."""
+    extents: bool = False
+    """Whether the index leases extents (a client reading the image writes through them)."""
 
 
 def write_image_location(location: ImageLocation | None) -> bytes:
@@ -474,7 +589,7 @@ def write_image_location(location: ImageLocation | None) -> bytes:
     w.u32(len(location.endpoints))
     for endpoint in location.endpoints:
         endpoint.write_to(w)
-    return w.getvalue()
+    return w.u8(int(location.extents)).getvalue()
 
 
 def read_image_location(r: Reader) -> ImageLocation | None:
@@ -483,6 +598,9 @@ def read_image_location(r: Reader) -> ImageLocation | None:
     image_id, size = r.u64(), r.u64()
     host, path, device, inode = r.blob(256), r.text(4096), r.u64(), r.u64()
     endpoints = tuple(NodeEndpoint.read_from(r) for _ in range(r.count(12, MAX_ENDPOINTS)))
+    extents = r.u8()
+    if extents > 1:
+        raise ProtocolError(f"extents flag {extents}")
     return ImageLocation(
         image_id=image_id,
         size=size,
@@ -491,4 +609,5 @@ def read_image_location(r: Reader) -> ImageLocation | None:
         path=path,
         device=device,
         inode=inode,
+        extents=bool(extents),
     )

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator, Sequence
 import attrs
 
 from kvfabric.descriptor import Descriptor, PackedDescriptors
+from kvfabric.indexes.memory_extents import MIN_RECORD, LeasedExtent
 from kvfabric.indexes.memory_image import MemoryImage, NoImage
 from kvfabric.indexes.memory_space import Plan, RegionSpace
 from kvfabric.spi import (
@@ -51,7 +52,10 @@ from kvfabric.spi import (
     Allocation,
     AllocationKind,
     AllocationRequest,
+    CarvedRecord,
+    CarveOutcome,
     Copies,
+    Extent,
     GrantRef,
     ImageStop,
     IndexConfig,
@@ -113,7 +117,15 @@ _COUNTERS = (
     "replicas_published",
     "replicas_dropped",
     "promotions",
+    "extents_leased",
+    "extents_returned",
+    "extent_expiries",
+    "carved",
+    "carve_refused",
 )
+# An extent is at most this share of the capacity taking grants (and never less than the
+# writer needs): writers holding extents they have not filled must not starve the others.
+_EXTENT_SHARE = 1 / 16
 
 
 class _State(enum.Enum):
@@ -210,6 +222,11 @@ class MemoryIndex(IndexPlugin):
         self._entries: dict[bytes, _Entry] = {}
         self._lru: OrderedDict[bytes, None] = OrderedDict()
         self._pending: deque[tuple[float, bytes, int]] = deque()
+        self._extents: dict[int, LeasedExtent] = {}
+        self._next_extent = 0
+        self._nodes_generation = 0
+        """Grows whenever a node registers or leaves; in the image's header, and in each
+        extent leased (a writer holding one sees in the image that its node changed)."""
         # (reusable at, region, offset, retirement token), oldest first.
         self._retired: deque[tuple[float, RegionSpace, int, int]] = deque()
         self._retired_bytes = 0
@@ -249,6 +266,7 @@ class MemoryIndex(IndexPlugin):
                 info, endpoints=endpoints, id=node_id, incarnation=self._next_incarnation
             )
             self._nodes[node_id] = registered
+            self._nodes_changed()
             wanted = {region.id: region for region in info.regions}
             for (node, region_id), space in list(self._regions.items()):
                 if node != node_id:
@@ -276,13 +294,19 @@ class MemoryIndex(IndexPlugin):
         with self._lock:
             if self._nodes.pop(node, None) is None:
                 return 0
+            self._nodes_changed()
             spaces = [s for (n, _), s in self._regions.items() if n == node]
             return sum(self._drop_region(space) for space in spaces)
+
+    def _nodes_changed(self) -> None:
+        self._nodes_generation = (self._nodes_generation + 1) & 0xFFFFFFFF
+        self._image.set_nodes_generation(self._nodes_generation)
 
     def _drop_region(self, space: RegionSpace) -> int:
         """The region is gone: its copies go; returns how many entries went with them (an
         entry with a copy elsewhere stays, that copy promoted)."""
         del self._regions[(space.node, space.region)]
+        self._extents = {i: held for i, held in self._extents.items() if held.space is not space}
         dropped = 0
         for key, _ in space.occupants.values():
             entry = self._entries.get(key)
@@ -685,6 +709,178 @@ class MemoryIndex(IndexPlugin):
                     if entry.state is _State.PENDING:
                         del self._entries[grant.key]
 
+    # -- extents -----------------------------------------------------------------------
+
+    def leases_extents(self) -> bool:
+        # With replicas each key's copies are placed per key, on distinct nodes, and a put
+        # of a stored key is how its lost copies are granted again (allocate's EXISTS).
+        return self._replicas == 1
+
+    def lease_extents(
+        self,
+        need: int,
+        want: int,
+        count: int,
+        exclude: Sequence[int] = (),
+        returned: Sequence[int] = (),
+    ) -> list[Extent]:
+        with self._lock:
+            now = self._clock()
+            self._expire_leases(now)
+            self._release_retired(now)
+            for extent_id in returned:
+                held = self._extents.get(extent_id)
+                if held is not None:
+                    self._end_extent(held, now)
+                    self._counters["extents_returned"] += 1
+            if need <= 0 or self._replicas > 1:
+                # With replicas every key's copies are placed on distinct nodes, per key.
+                return []
+            need = _aligned(need)
+            granting = [s.size for s in self._regions.values() if s.restored is None]
+            if need > max(granting, default=0):
+                self._counters["no_space"] += 1
+                return []
+            want = max(need, min(_aligned(want), _aligned(int(sum(granting) * _EXTENT_SHARE))))
+            nodes = set(exclude)
+            out: list[Extent] = []
+            for _ in range(count):
+                extent = self._lease_one(need, want, nodes, now)
+                if extent is None:
+                    break
+                nodes.add(extent.node)
+                out.append(extent)
+            self._keep_headroom(now)
+            return out
+
+    def _lease_one(self, need: int, want: int, exclude: set[int], now: float) -> Extent | None:
+        """An extent on a node not in ``exclude``: ``want`` bytes of free space, else
+        ``need`` bytes, evicting for them."""
+        evictions_before = self._counters["evictions"]
+        size, placed = want, self._fit(want, exclude)
+        if placed is None:
+            size, placed = need, self._fit(need, exclude)
+        if placed is None:
+            self._make_room(need, now, exclude)
+            placed = self._fit(need, exclude)
+        if placed is None:
+            if not exclude:
+                self._counters["no_space"] += 1
+            return None
+        space, offset = placed
+        evictions = self._counters["evictions"] - evictions_before
+        versions = size // MIN_RECORD
+        self._next_extent += 1
+        extent = Extent(
+            id=self._next_extent,
+            node=space.node,
+            region=space.region,
+            rkey=space.rkey,
+            offset=offset,
+            size=size,
+            first_version=self._next_version + 1,
+            versions=versions,
+            lease=self._lease,
+            evictions=evictions,
+            nodes_generation=self._nodes_generation,
+        )
+        self._next_version += versions
+        self._extents[extent.id] = LeasedExtent(extent, space, now + self._lease)
+        self._counters["extents_leased"] += 1
+        return extent
+
+    def publish_carved(
+        self, records: Sequence[CarvedRecord], again: Sequence[bytes] = ()
+    ) -> list[CarveOutcome]:
+        with self._lock:
+            now = self._clock()
+            for key in again:
+                entry = self._entries.get(key)
+                if entry is not None and entry.state is _State.PUBLISHED:
+                    entry.retention += 1
+                    self._touch(key, entry, now)
+                    self._counters["dedup_hits"] += 1
+            out: list[CarveOutcome] = []
+            held: LeasedExtent | None = None
+            for record in records:
+                if held is None or held.extent.id != record.extent:
+                    held = self._live_extent(record.extent, now)
+                size = None if held is None else held.slot_of(record)
+                if held is None or size is None:
+                    self._counters["carve_refused"] += 1
+                    out.append(CarveOutcome.REFUSED)
+                    continue
+                leased, space = held.extent, held.space
+                if record.offset > held.cursor:
+                    # Space skipped (a record not published): back, as an aborted grant's.
+                    self._retire_unused(space, held.cursor, record.offset - held.cursor, now)
+                held.cursor = record.offset + size
+                held.next_version = record.version + 1
+                if held.cursor == leased.end:
+                    del self._extents[leased.id]  # used up: nothing left to take back
+                key = record.key
+                entry = self._entries.get(key)
+                if entry is not None:
+                    self._retire_unused(space, record.offset, size, now)
+                    if entry.state is _State.PUBLISHED:
+                        entry.retention += 1
+                        self._touch(key, entry, now)
+                        self._counters["dedup_hits"] += 1
+                        out.append(CarveOutcome.EXISTS)
+                    else:
+                        self._counters["in_flight"] += 1
+                        out.append(CarveOutcome.IN_FLIGHT)
+                    continue
+                descriptor = Descriptor.trusted(
+                    key=key,
+                    node=leased.node,
+                    region=leased.region,
+                    offset=record.offset,
+                    length=record.length,
+                    rkey=leased.rkey,
+                    version=record.version,
+                    crc=record.crc,
+                )
+                space.occupy(record.offset, size, key)
+                entry = _Entry(descriptor, size, 0.0)
+                entry.state = _State.PUBLISHED
+                entry.retention = 1
+                entry.last_use = now
+                self._entries[key] = entry
+                self._lru[key] = None
+                self._show(key, entry)
+                out.append(CarveOutcome.STORED)
+            stored = out.count(CarveOutcome.STORED)
+            self._counters["published"] += stored
+            self._counters["carved"] += stored
+            return out
+
+    def _live_extent(self, extent: int, now: float) -> LeasedExtent | None:
+        """The extent, while its lease lasts (one whose lease ran out ends now)."""
+        held = self._extents.get(extent)
+        if held is not None and held.deadline <= now:
+            self._end_extent(held, now)
+            self._counters["extent_expiries"] += 1
+            return None
+        return held
+
+    def _end_extent(self, held: LeasedExtent, now: float) -> None:
+        """The extent's writer is done with it (or its lease ran out): its unused part is
+        taken back, retired first in case a write to it is still landing."""
+        del self._extents[held.extent.id]
+        if self._regions.get((held.extent.node, held.extent.region)) is not held.space:
+            return  # the region went (or was restored): the space is not the index's to free
+        if held.cursor < held.extent.end:
+            self._retire_unused(held.space, held.cursor, held.extent.end - held.cursor, now)
+
+    def _retire_unused(self, space: RegionSpace, offset: int, size: int, now: float) -> None:
+        token = space.retire(offset, size)
+        if self._grace <= 0:
+            space.release(offset, token)
+            return
+        self._retired.append((now + self._grace, space, offset, token))
+        self._retired_bytes += size
+
     def unpublish(self, keys: Sequence[bytes]) -> int:
         with self._lock:
             now = self._clock()
@@ -965,6 +1161,9 @@ class MemoryIndex(IndexPlugin):
             self._retired_bytes -= space.release(offset, token)
 
     def _expire_leases(self, now: float) -> None:
+        for held in [held for held in self._extents.values() if held.deadline <= now]:
+            self._end_extent(held, now)
+            self._counters["extent_expiries"] += 1
         while self._pending and self._pending[0][0] <= now:
             _, key, version = self._pending.popleft()
             found = self._granted(GrantRef(key=key, version=version))
@@ -998,6 +1197,7 @@ class MemoryIndex(IndexPlugin):
             capacity = self._capacity()
             free = self._free_bytes()
             published = len(self._lru)
+            extent_bytes = sum(h.extent.end - h.cursor for h in self._extents.values())
             return {
                 **self._counters,
                 "nodes": len(self._nodes),
@@ -1006,7 +1206,10 @@ class MemoryIndex(IndexPlugin):
                 "capacity_bytes": capacity,
                 "free_bytes": free,
                 "retired_bytes": self._retired_bytes,
-                "used_bytes": capacity - free - self._retired_bytes,
+                "extents": len(self._extents),
+                # Leased to writers and not carved yet: neither free nor used.
+                "extent_bytes": extent_bytes,
+                "used_bytes": capacity - free - self._retired_bytes - extent_bytes,
                 # Every copy's payload.
                 "stored_payload_bytes": sum(
                     (1 + len(e.alternates)) * e.descriptor.length
@@ -1014,6 +1217,10 @@ class MemoryIndex(IndexPlugin):
                 ),
                 **self._image.stats(),
             }
+
+
+def _aligned(size: int) -> int:
+    return -(-size // SLOT_ALIGN) * SLOT_ALIGN
 
 
 def _still_retired(queued: tuple[float, RegionSpace, int, int]) -> bool:

@@ -35,7 +35,7 @@ from kvfabric.spi import (
     image_store,
     new_rkey,
 )
-from kvfabric.spi.image import image_exists, image_prefix
+from kvfabric.spi.image import IMAGE_HEADER_SIZE, image_exists, image_prefix
 
 __all__ = ["MemoryImage", "NoImage"]
 
@@ -174,6 +174,13 @@ class MemoryImage:
         """Tell same-host readers the owner is alive (called every controller tick)."""
         image_beat(self._view)
 
+    def set_nodes_generation(self, generation: int) -> None:
+        """Say the data nodes changed. The heartbeat and the ring's head (bytes 24..40)
+        are left as they are; a reader that reads the header while it changes finds its
+        check wrong and asks the index, once."""
+        header = ImageGeometry.with_nodes_generation(self._view[:IMAGE_HEADER_SIZE], generation)
+        self._view[56:IMAGE_HEADER_SIZE] = header[56:]
+
     def stats(self) -> dict[str, int]:
         return {
             "image_entries": len(self._where),
@@ -217,6 +224,9 @@ class NoImage:
         pass
 
     def beat(self) -> None:
+        pass
+
+    def set_nodes_generation(self, generation: int) -> None:
         pass
 
     def stats(self) -> dict[str, int]:

@@ -89,6 +89,11 @@ class RegionSpace:
         """The entry at ``offset`` left: its slot is retired; returns the retirement token."""
         _, size = self.occupants.pop(offset)
         del self.occupant_end[offset + size]
+        return self.retire(offset, size)
+
+    def retire(self, offset: int, size: int) -> int:
+        """Space no entry occupies (part of a leased extent that no record was published
+        in) is retired; returns the retirement token."""
         token = next(_tokens)
         self.retired[offset] = (size, token)
         self.retired_end[offset + size] = offset

@@ -23,7 +23,8 @@ Layout (little-endian). A 64-byte header::
     40  u32 log2 of the ring's length R (0: no ring)
     44  u32 ring entry size (96)
     48  u64 where the ring starts
-    56  u32 zero
+    56  u32 nodes generation: grows whenever a data node registers or leaves the index
+        (writers holding extents check it: see :class:`~kvfabric.spi.Extent`)
     60  u32 CRC32C of bytes 0..24 and 40..60
 
 then ``N + W - 1`` buckets of 64 bytes (so no window wraps)::
@@ -229,6 +230,19 @@ class ImageGeometry:
         if ring and (entry != RING_ENTRY_SIZE or ring_at != geometry.buckets_end):
             raise ProtocolError("the image's ring is not where format 1 puts it")
         return geometry
+
+    @staticmethod
+    def nodes_generation_of(header: ReadableBuffer) -> int:
+        """The nodes generation a header (as landed or mapped) carries."""
+        return int.from_bytes(bytes(memoryview(header)[56:60]), "little")
+
+    @staticmethod
+    def with_nodes_generation(header: ReadableBuffer, generation: int) -> bytes:
+        """``header`` with another nodes generation, its check made again."""
+        raw = bytearray(memoryview(header)[:IMAGE_HEADER_SIZE])
+        raw[56:60] = (generation & 0xFFFFFFFF).to_bytes(4, "little")
+        raw[60:64] = crc32c(bytes(raw[40:60]), crc32c(bytes(raw[:24]))).to_bytes(4, "little")
+        return bytes(raw)
 
     @staticmethod
     def head_of(header: ReadableBuffer) -> int:

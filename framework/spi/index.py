@@ -35,7 +35,10 @@ __all__ = [
     "Allocation",
     "AllocationKind",
     "AllocationRequest",
+    "CarveOutcome",
+    "CarvedRecord",
     "Copies",
+    "Extent",
     "GrantRef",
     "Index",
     "IndexConfig",
@@ -102,6 +105,72 @@ class GrantRef:
             version=descriptor.version,
             crc=descriptor.crc if crc is None else crc,
         )
+
+
+class CarveOutcome(enum.Enum):
+    """What publishing one record carved from an extent did."""
+
+    STORED = 1
+    """Published: readable through its key."""
+    EXISTS = 2
+    """The key was already published (retention +1): the record's bytes are not used."""
+    IN_FLIGHT = 3
+    """Another writer holds a grant for the key: the record's bytes are not used."""
+    REFUSED = 4
+    """Not published: the extent is unknown or its lease ran out, or the record does not
+    lie in the extent's unused part (before an earlier record, past its end, misaligned) or
+    does not carry one of its versions."""
+
+
+@attrs.frozen(kw_only=True)
+class Extent:
+    """A run of one region leased to one writer, which lays records into it itself.
+
+    The writer carves records from ``offset`` on, in order, each at the next multiple of
+    :data:`~kvfabric.spi.record.SLOT_ALIGN` after the last, versions counting up from
+    ``first_version``; then one :meth:`Index.publish_carved` makes them readable. A put
+    then costs one control round trip (the publish) where ``allocate`` + ``publish`` cost
+    two, and the index places nothing per key. The lease works as a grant's: past it the
+    index takes the unused part back, and a writer that used much of it leases anew. A
+    writer spreads a put over the nodes by holding an extent on each.
+    """
+
+    id: int
+    node: int
+    region: int
+    rkey: int
+    offset: int
+    size: int
+    first_version: int
+    versions: int
+    """How many versions, from ``first_version``, records carved from it may carry."""
+    lease: float
+    """Seconds the extent is leased for, from the call that leased it."""
+    evictions: int = 0
+    """Entries the call that leased it evicted to make room."""
+    nodes_generation: int = 0
+    """The index's nodes generation when it was leased (also in its lookup image's header):
+    a writer uses the extent only while the image says the same. A node that restarted
+    since may have lost the extent (the index dropped it with the node's old regions, and
+    may have handed its space to others), and the writer hears of it in no other way
+    without asking."""
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
+
+@attrs.frozen(kw_only=True)
+class CarvedRecord:
+    """A record written into an extent, being published."""
+
+    extent: int
+    key: bytes
+    offset: int
+    length: int
+    """The payload's length (the record is its header, then the payload)."""
+    version: int
+    crc: int
 
 
 @attrs.frozen(kw_only=True)
@@ -283,6 +352,43 @@ class Index(abc.ABC):
         lookups, say, run in each client and are counted there), which would read as zero.
         By default: :meth:`stats`."""
         return self.stats()
+
+    def leases_extents(self) -> bool:
+        """Whether :meth:`lease_extents` may lease any (no round trip: writers ask it before
+        every put). By default: no."""
+        return False
+
+    def lease_extents(
+        self,
+        need: int,
+        want: int,
+        count: int,
+        exclude: Sequence[int] = (),
+        returned: Sequence[int] = (),
+    ) -> list[Extent]:
+        """Give back the unused part of the extents ``returned`` (their ids: the writer is
+        done with them), then lease up to ``count`` extents, each on another data node and
+        none on a node in ``exclude``, each of at least ``need`` bytes and up to ``want``.
+        One round trip.
+
+        Fewer (none) when fewer nodes have ``need`` bytes to give, or when this index
+        leases none: the writer then allocates per key. By default an index leases none
+        (and takes ``returned`` as nothing to do).
+        """
+        return []
+
+    def publish_carved(
+        self, records: Sequence[CarvedRecord], again: Sequence[bytes] = ()
+    ) -> list[CarveOutcome]:
+        """Publish records written into extents, each extent's in the order they lie in
+        it: one outcome per record. The space in an extent before a record and after the
+        last one published (a record not published) is taken back, as an aborted grant's
+        slot is.
+
+        ``again``: keys the writer found stored already (in the lookup image) and so did
+        not write: each published one counts as stored once more and used now, as an
+        ``allocate`` that finds it does (``EXISTS``)."""
+        raise NotSupportedError(f"{type(self).__name__} leases no extents")
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Clients used these keys without asking the index (they read its lookup image):

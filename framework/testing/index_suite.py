@@ -28,13 +28,18 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
+import attrs
 import pytest
 
 from kvfabric.descriptor import Descriptor
 from kvfabric.keys import fold_key
 from kvfabric.spi import (
+    SLOT_ALIGN,
     AllocationKind,
     AllocationRequest,
+    CarvedRecord,
+    CarveOutcome,
+    Extent,
     GrantRef,
     IndexConfig,
     IndexPlugin,
@@ -94,6 +99,32 @@ def _put(index: IndexPlugin, keys: Sequence[bytes], length: int = _VALUE) -> lis
     ]
     assert all(index.publish(granted))
     return [a.kind for a in result.allocations]
+
+
+def _leased(index: IndexPlugin, need: int, want: int = 0, count: int = 1) -> list[Extent]:
+    """Extents leased, or the test skipped for an index that leases none."""
+    extents = index.lease_extents(need, want or need, count)
+    if not extents and index.lease_extents(_SLOT, _SLOT, 1) == []:
+        pytest.skip(f"{type(index).__name__} leases no extents")
+    return extents
+
+
+def _carved(
+    extent: Extent, keys: Sequence[bytes], *, skip: int = 0, length: int = _VALUE
+) -> list[CarvedRecord]:
+    """Records for ``keys`` laid back to back in ``extent`` from its start, ``skip`` slots
+    left empty first."""
+    at = extent.offset + skip * record_size(length)
+    out = []
+    for n, key in enumerate(keys):
+        version = extent.first_version + skip + n
+        out.append(
+            CarvedRecord(
+                extent=extent.id, key=key, offset=at, length=length, version=version, crc=7
+            )
+        )
+        at += record_size(length)
+    return out
 
 
 def _wait_past(seconds: float, index: IndexPlugin) -> None:
@@ -471,3 +502,122 @@ class IndexConformance:
         assert kept == 1
         index.restore_done(node.id)
         assert index.exists([a, b, c]) == [True, False, False]
+
+    # -- extents (an index that leases none skips these) ----------------------------------
+
+    def test_records_carved_from_an_extent_are_published_as_laid(self, index: IndexPlugin) -> None:
+        (extent,) = _leased(index, 4 * _SLOT)
+        assert extent.size >= 4 * _SLOT
+        assert extent.offset % SLOT_ALIGN == 0
+        keys = _keys(4)
+        records = _carved(extent, keys)
+        assert index.publish_carved(records) == [CarveOutcome.STORED] * 4
+        found = index.lookup_prefix(keys)
+        assert [(d.key, d.offset, d.version, d.crc) for d in found] == [
+            (r.key, r.offset, r.version, r.crc) for r in records
+        ]
+        assert {(d.node, d.region, d.rkey, d.length) for d in found} == {
+            (extent.node, extent.region, extent.rkey, _VALUE)
+        }
+
+    def test_extents_and_grants_never_overlap(self, index: IndexPlugin) -> None:
+        index.register_node(_node("n2", 1 << 20))
+        extents = _leased(index, 8 * _SLOT, count=2)
+        assert len({e.node for e in extents}) == 2
+        extents += _leased(index, 8 * _SLOT)
+        grants = _grants(index, _keys(32))
+        spans = sorted(
+            [(e.node, e.region, e.offset, e.end) for e in extents]
+            + [(g.node, g.region, g.offset, g.offset + _SLOT) for g in grants]
+        )
+        for (node, region, _, end), (next_node, next_region, start, _) in itertools.pairwise(spans):
+            assert (node, region) != (next_node, next_region) or end <= start
+        versions = [v for e in extents for v in range(e.first_version, e.first_version + 4)]
+        assert len(set(versions) | {g.version for g in grants}) == len(versions) + len(grants)
+
+    def test_a_record_outside_the_unused_part_of_its_extent_is_refused(
+        self, index: IndexPlugin
+    ) -> None:
+        (extent,) = _leased(index, 4 * _SLOT)
+        first, *others = _keys(7)
+        (record,) = _carved(extent, [first])
+        assert index.publish_carved([record]) == [CarveOutcome.STORED]
+        # Each breaks one rule; the next slot and the next version are what a good one has.
+        good = attrs.evolve(record, offset=record.offset + _SLOT, version=record.version + 1)
+        bad = [
+            attrs.evolve(good, key=others[0], offset=record.offset),  # a published record's
+            attrs.evolve(good, key=others[1], offset=extent.end - _SLOT + SLOT_ALIGN),  # past end
+            attrs.evolve(good, key=others[2], offset=good.offset + 1),  # unaligned
+            attrs.evolve(good, key=others[3], version=record.version),  # a version used
+            attrs.evolve(good, key=others[4], version=extent.first_version + extent.versions),
+            attrs.evolve(good, key=others[5], extent=extent.id + 1000),  # no such extent
+        ]
+        assert index.publish_carved(bad) == [CarveOutcome.REFUSED] * len(bad)
+        assert index.exists(others) == [False] * len(others)
+
+    def test_a_key_stored_or_being_written_is_not_carved_again(self, index: IndexPlugin) -> None:
+        stored, pending, fresh = _keys(3)
+        _put(index, [stored])
+        _grants(index, [pending])
+        (extent,) = _leased(index, 4 * _SLOT)
+        before = index.stats()["dedup_hits"]
+        outcomes = index.publish_carved(_carved(extent, [stored, pending, fresh]))
+        assert outcomes == [CarveOutcome.EXISTS, CarveOutcome.IN_FLIGHT, CarveOutcome.STORED]
+        assert index.stats()["dedup_hits"] == before + 1
+        index.publish_carved([], again=[stored, fresh, _keys(1)[0]])
+        assert index.stats()["dedup_hits"] == before + 3
+
+    def test_an_extents_unused_part_comes_back_when_returned(self, make_index: MakeIndex) -> None:
+        index = make_index(IndexConfig(grace=0.0, headroom=0.0))
+        index.register_node(_node("n1", 4 * _SLOT))
+        (extent,) = _leased(index, 4 * _SLOT)
+        a, b = _keys(2)
+        # Records in its first and third slots: the second and fourth are not used.
+        records = _carved(extent, [a]) + _carved(extent, [b], skip=2)
+        assert index.publish_carved(records) == [CarveOutcome.STORED] * 2
+        assert index.lease_extents(0, 0, 0, returned=[extent.id]) == []
+        grants = _grants(index, _keys(2))
+        assert sorted(g.offset for g in grants) == [
+            extent.offset + _SLOT,
+            extent.offset + 3 * _SLOT,
+        ]
+        assert index.stats()["evictions"] == 0
+        assert index.exists([a, b]) == [True, True]
+
+    def test_an_extent_whose_lease_ran_out_refuses_its_records_and_gives_its_space_back(
+        self, make_index: MakeIndex
+    ) -> None:
+        index = make_index(IndexConfig(lease=0.2, grace=0.0, headroom=0.0))
+        index.register_node(_node("n1", 4 * _SLOT))
+        (extent,) = _leased(index, 4 * _SLOT)
+        keys = _keys(4)
+        _wait_past(0.5, index)
+        assert index.publish_carved(_carved(extent, keys)) == [CarveOutcome.REFUSED] * 4
+        assert index.exists(keys) == [False] * 4
+        # The whole region is free again: four keys fit without evicting anything.
+        assert _put(index, keys) == [AllocationKind.GRANTED] * 4
+        assert index.stats()["evictions"] == 0
+
+    def test_eviction_never_takes_an_extents_unused_part(self, make_index: MakeIndex) -> None:
+        index = make_index(IndexConfig(grace=0.0, headroom=0.0))
+        index.register_node(_node("n1", 8 * _SLOT))
+        (extent,) = _leased(index, 4 * _SLOT)
+        for key in _keys(20):
+            result = index.allocate([AllocationRequest(key=key, length=_VALUE)])
+            (allocation,) = result.allocations
+            assert allocation.kind is AllocationKind.GRANTED
+            assert allocation.descriptor is not None
+            offset = allocation.descriptor.offset
+            assert offset + _SLOT <= extent.offset or offset >= extent.end
+            index.publish([GrantRef.of(allocation.descriptor, crc=7)])
+        assert index.publish_carved(_carved(extent, _keys(4))) == [CarveOutcome.STORED] * 4
+
+    def test_an_extent_goes_with_its_node(self, index: IndexPlugin) -> None:
+        (extent,) = _leased(index, 4 * _SLOT)
+        (node,) = index.nodes()
+        index.remove_node(node.id)
+        assert index.publish_carved(_carved(extent, _keys(1))) == [CarveOutcome.REFUSED]
+
+    def test_no_extent_larger_than_any_region_is_leased(self, index: IndexPlugin) -> None:
+        _leased(index, _SLOT)
+        assert index.lease_extents(4 << 20, 4 << 20, 1) == []

@@ -76,6 +76,10 @@ class ClientOptions:
     lookup_image: bool = True
     """Answer lookups from the index's lookup image, where it publishes one, without asking
     the controller (false: every lookup is a control RPC)."""
+    extents: bool = True
+    """Write into extents leased from the index, where it leases them: a put is one control
+    round trip (the publish) instead of two (allocate, publish). False: every put allocates
+    per key."""
     plugin_options: Mapping[str, Mapping[str, str]] = attrs.field(factory=dict)
     """``NAME.OPTION=VALUE`` query parameters, by plugin name; each plugin parses its own."""
 
@@ -131,6 +135,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "max_value": parse_size,
     "transport": _name,
     "lookup_image": parse_bool,
+    "extents": parse_bool,
     "capacity": parse_size,
     "backend": _name,
     "path": str,

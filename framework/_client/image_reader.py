@@ -94,6 +94,10 @@ class ImageReader(abc.ABC):
         """One :class:`~kvfabric.spi.ImageStop` per key (MISS, HIT or UNKNOWN), and the
         round trips taken."""
 
+    @abc.abstractmethod
+    def nodes_generation(self) -> int:
+        """The index's nodes generation as of this reader's last probe (mapped: now)."""
+
     def close(self) -> None:
         """Release what the reader holds (a mapping, a connection)."""
 
@@ -161,6 +165,12 @@ class MappedImage(ImageReader):
         except ValueError:
             return bytes([ImageStop.UNKNOWN]) * len(keys), 0
 
+    def nodes_generation(self) -> int:
+        try:
+            return ImageGeometry.nodes_generation_of(self._view[:IMAGE_HEADER_SIZE])
+        except ValueError:  # the view was released: the store is closing
+            return -1
+
     def close(self) -> None:
         if self._owned is not None:
             # A probe still running on another thread keeps it: the GC unmaps it then.
@@ -197,6 +207,7 @@ class RemoteImage(ImageReader):
         """The first rewrite the mirror lacks."""
         self._chunk = _MIN_CHUNK
         self._spare: _Landing | None = None
+        self._generation = -1
         """The last catch-up's buffers, for the next one reading the same range."""
 
     @classmethod
@@ -243,6 +254,9 @@ class RemoteImage(ImageReader):
             return bytes([ImageStop.UNKNOWN]) * len(keys), trips
         with self._lock:
             return image_exists(self._mirror, keys, self._geometry.image_id, 0.0)[1], trips
+
+    def nodes_generation(self) -> int:
+        return self._generation
 
     def close(self) -> None:
         self._client.disconnect(IMAGE_NODE)
@@ -308,6 +322,7 @@ class RemoteImage(ImageReader):
                 cursor, head, state = image_apply(
                     self._mirror, landing.header, landing.entries, first, self._cursor
                 )
+                self._generation = ImageGeometry.nodes_generation_of(landing.header)
                 self._spare = landing
                 self._cursor = max(self._cursor, cursor)
                 # Read twice what this lookup found next time: a burst of writes is caught

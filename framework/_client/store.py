@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 
 import attrs
 
+from kvfabric._client.extents import EXTENT_BYTES, Carving, ExtentPool, stripes
 from kvfabric._client.image_reader import ImageReader, ImageSlot
 from kvfabric._client.prefetch import PrefetchCache
 from kvfabric._client.record_io import RecordIO, value_pieces
@@ -66,6 +67,8 @@ from kvfabric.spi.image import ImageStop, first_bad_key
 from kvfabric.spi.index import (
     AllocationKind,
     AllocationRequest,
+    CarvedRecord,
+    CarveOutcome,
     Copies,
     GrantRef,
     Index,
@@ -73,6 +76,7 @@ from kvfabric.spi.index import (
     alternate_key,
 )
 from kvfabric.spi.plugins import PluginManager
+from kvfabric.spi.record import record_size
 
 __all__ = ["PutOutcome", "Store"]
 
@@ -128,6 +132,14 @@ _OUTCOME_OF = {
     AllocationKind.IN_FLIGHT: PutOutcome.IN_FLIGHT,
     AllocationKind.NO_SPACE: PutOutcome.NO_SPACE,
 }
+_CARVED_OUTCOME = {
+    CarveOutcome.STORED: PutOutcome.STORED,
+    CarveOutcome.EXISTS: PutOutcome.DEDUPLICATED,
+    CarveOutcome.IN_FLIGHT: PutOutcome.IN_FLIGHT,
+    CarveOutcome.REFUSED: PutOutcome.FAILED,
+}
+# Puts into extents leased from the index: leases, and records written into them.
+_EXTENT_COUNTERS = ("extent_leases", "carved_writes")
 
 
 class Store:
@@ -163,7 +175,10 @@ class Store:
         self._prefetch = PrefetchCache(
             max_entries=options.prefetch_entries, ttl=options.prefetch_ttl
         )
-        self._counters = Counters((*CLIENT_COUNTERS, *_IMAGE_COUNTERS, *_REPLICA_COUNTERS))
+        self._counters = Counters(
+            (*CLIENT_COUNTERS, *_IMAGE_COUNTERS, *_REPLICA_COUNTERS, *_EXTENT_COUNTERS)
+        )
+        self._extents = ExtentPool() if options.extents else None
         self._image = ImageSlot(image)
         self._locate_image = locate_image
         self._image_unlocated = locate_image is not None
@@ -517,13 +532,16 @@ class Store:
     # -- writes ------------------------------------------------------------------------
 
     def batched_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[PutOutcome]:
-        """Store values under keys: one allocate call, the writes, one publish call.
+        """Store values under keys: the writes and one publish call, after one allocate
+        call where the index places each key (where it leases extents and this client reads
+        its lookup image, the records go into an extent this client holds instead).
 
         A value is a buffer, or a list of buffers whose concatenation is the value (gathered
         from where they lie, no copy; the buffers must not change until this returns). A key
-        already stored moves no bytes (``DEDUPLICATED``); a controller or data-node failure
-        makes ``FAILED`` outcomes, counted. Raises :class:`ValueTooLargeError` before doing
-        anything if a value exceeds ``max_value``.
+        already stored moves no bytes (``DEDUPLICATED``), unless another writer stored it
+        while this one wrote; a controller or data-node failure makes ``FAILED`` outcomes,
+        counted. Raises :class:`ValueTooLargeError` before doing anything if a value exceeds
+        ``max_value``.
         """
         _check_keys(keys)
         if len(values) != len(keys):
@@ -539,8 +557,12 @@ class Store:
                     f"{self._options.max_value} (option max_value)"
                 )
         self._prefetch.drop(keys)
-        requests = [AllocationRequest(key=k, length=n) for k, n in zip(keys, lengths, strict=True)]
         self._counters.add("puts")
+        if self._extents is not None:
+            carved = self._put_carved(self._extents, keys, pieces, lengths)
+            if carved is not None:
+                return carved
+        requests = [AllocationRequest(key=k, length=n) for k, n in zip(keys, lengths, strict=True)]
         asked_at = time.monotonic()
         result = self._ask(self._index.allocate, requests)
         if result is None:
@@ -590,6 +612,173 @@ class Store:
         )
         return outcomes
 
+    def _put_carved(
+        self,
+        pool: ExtentPool,
+        keys: Sequence[bytes],
+        pieces: Sequence[list[memoryview]],
+        lengths: Sequence[int],
+    ) -> list[PutOutcome] | None:
+        """The put through extents: the lookup image says which keys are stored (those
+        move no bytes), the others are laid into extents this client holds (one per node,
+        spread as allocate would spread them), written, and published in one call. None
+        when it cannot be done that way (no image, a key it cannot tell of, no extent to be
+        had): the caller allocates per key."""
+        image = self._image_reader()
+        if image is None or not self._index.leases_extents():
+            return None
+        states, trips = image.exists(keys)
+        self._counters.add("image_round_trips", trips)
+        if ImageStop.UNKNOWN in states:
+            return None
+        fresh = [i for i, state in enumerate(states) if state != ImageStop.HIT]
+        # Stored already: no bytes move, and the index hears of it with the publish (each
+        # counts as stored once more, as an allocate finding it would count it).
+        again = [key for key, state in zip(keys, states, strict=True) if state == ImageStop.HIT]
+        outcomes = [PutOutcome.DEDUPLICATED] * len(keys)
+        if not fresh:
+            # Stored whether or not the index hears it now: the outcomes stand either way.
+            self._ask(self._index.publish_carved, [], again)
+        else:
+            carvings = self._carve(
+                pool,
+                [keys[i] for i in fresh],
+                [lengths[i] for i in fresh],
+                image.nodes_generation(),
+            )
+            if carvings is None:
+                return None
+            if time.monotonic() >= min(c.held.expires_at for c in carvings):
+                # Held up (paused, swapped out) for much of a lease: the index may take the
+                # extent back any moment, so write nothing.
+                for carving in carvings:
+                    pool.give_up(carving.held)
+                self._counters.add("late_writes_avoided", len(fresh))
+                written = [PutOutcome.FAILED] * len(fresh)
+            else:
+                written = self._write_carved(pool, carvings, [pieces[i] for i in fresh], again)
+            for i, outcome in zip(fresh, written, strict=True):
+                outcomes[i] = outcome
+        self._counters.update(
+            stored=outcomes.count(PutOutcome.STORED),
+            dedup_hits=outcomes.count(PutOutcome.DEDUPLICATED),
+            in_flight_skips=outcomes.count(PutOutcome.IN_FLIGHT),
+            put_failures=outcomes.count(PutOutcome.FAILED),
+        )
+        return outcomes
+
+    def _carve(
+        self, pool: ExtentPool, keys: list[bytes], lengths: list[int], generation: int
+    ) -> list[Carving] | None:
+        """Records for ``keys``, dealt over extents held on distinct nodes (leased now
+        where the pool has none with the room), one extent per node known; ``generation``:
+        the index's nodes generation, as its lookup image says now."""
+        if self._membership_stale or pool.stale(generation):
+            # A node joined, left or restarted: spread over the nodes there are now.
+            self._refresh_membership()
+        sizes = list(map(record_size, lengths))
+        nodes = len(self._learned_nodes) if self._learned_nodes else 1
+        dealt = stripes(len(keys), nodes)
+        need = max(sum(sizes[i] for i in stripe) for stripe in dealt)
+        held = pool.take(need, len(dealt), generation)
+        if len(held) < len(dealt) and pool.may_lease():
+            asked_at = time.monotonic()
+            wanted = len(dealt) - len(held)
+            extents = self._ask(
+                self._index.lease_extents,
+                need,
+                max(4 * need, EXTENT_BYTES),
+                wanted,
+                [h.extent.node for h in held],
+                pool.returning(),
+            )
+            leased = pool.leased(extents or [], asked_at, wanted)
+            self._counters.update(
+                extent_leases=len(leased), evictions=sum(h.extent.evictions for h in leased)
+            )
+            held += leased
+        self._learn_nodes({h.extent.node for h in held})
+        for h in [h for h in held if not self._records.reaches([h.extent.node])]:
+            # On a node this client cannot reach (gone since it was leased): given back.
+            pool.give_up(h)
+            held.remove(h)
+        if len(held) < len(dealt):
+            # Fewer nodes to spread over than known: dealt over the extents held.
+            dealt = stripes(len(keys), len(held)) if held else []
+            if not held or any(
+                h.room() < sum(sizes[i] for i in stripe)
+                for h, stripe in zip(held, dealt, strict=True)
+            ):
+                for h in held:
+                    pool.give_back(h)
+                return None
+        return [
+            h.carve([keys[i] for i in stripe], [lengths[i] for i in stripe], stripe)
+            for h, stripe in zip(held, dealt, strict=True)
+        ]
+
+    def _write_carved(
+        self,
+        pool: ExtentPool,
+        carvings: list[Carving],
+        pieces: Sequence[list[memoryview]],
+        again: list[bytes],
+    ) -> list[PutOutcome]:
+        """Write the carved records (each node's in parallel) and publish those that landed,
+        with ``again`` (the keys found stored), in one call; one outcome per record, in the
+        order of ``pieces``."""
+        descriptors = [d for carving in carvings for d in carving.descriptors]
+        order = [i for carving in carvings for i in carving.positions]
+        self._learn_nodes({carving.held.extent.node for carving in carvings})
+        report = self._records.write(descriptors, [pieces[i] for i in order])
+        self._counters.add("transport_failures", report.failed_nodes)
+        crcs = iter(report.crcs)
+        landed: list[CarvedRecord] = []
+        for carving in carvings:
+            extent = carving.held.extent.id
+            for d in carving.descriptors:
+                crc = next(crcs)
+                if crc is not None:
+                    landed.append(
+                        CarvedRecord(
+                            extent=extent,
+                            key=d.key,
+                            offset=d.offset,
+                            length=d.length,
+                            version=d.version,
+                            crc=crc,
+                        )
+                    )
+        results = self._ask(self._index.publish_carved, landed, again) if landed or again else []
+        if report.failed_nodes or len(landed) < len(descriptors):
+            self._relearn_after_failure()
+        outcome_of = dict(
+            zip(
+                ((r.extent, r.offset) for r in landed),
+                results if results is not None else [CarveOutcome.REFUSED] * len(landed),
+                strict=True,
+            )
+        )
+        outcomes = [PutOutcome.FAILED] * len(pieces)
+        for carving in carvings:
+            extent = carving.held.extent.id
+            mine = [outcome_of.get((extent, d.offset)) for d in carving.descriptors]
+            for i, outcome in zip(carving.positions, mine, strict=True):
+                if outcome is not None:
+                    outcomes[i] = _CARVED_OUTCOME[outcome]
+            if None in mine or CarveOutcome.REFUSED in mine:
+                # A node or the index failed, or the extent is no longer this client's: it
+                # goes back (what was published stays published).
+                pool.give_up(carving.held)
+            else:
+                carving.done()
+                pool.give_back(carving.held)
+        written = sum(
+            d.length for d, crc in zip(descriptors, report.crcs, strict=True) if crc is not None
+        )
+        self._counters.update(carved_writes=len(landed), payload_bytes_written=written)
+        return outcomes
+
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove keys at once (new lookups miss); returns how many were stored.
 
@@ -631,6 +820,8 @@ class Store:
         """The controller came back with a new epoch: node ids and descriptors are stale."""
         log.warning("kvfabric controller restarted (epoch %x): relearning nodes", epoch)
         self._prefetch.clear()
+        if self._extents is not None:
+            self._extents.forget()
         self._membership_stale = True
         if self._locate_image is not None:
             # Its image, if any, is another one: stop reading the old one now.
@@ -651,6 +842,10 @@ class Store:
             pool, self._observer_pool = self._observer_pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        held = self._extents.release_all() if self._extents is not None else []
+        if held:
+            # Their unused part goes back now rather than when their leases run out.
+            self._ask(self._index.lease_extents, 0, 0, 0, (), held)
         self._touches.close()
         self._image.replace(None)
         self._records.close()

@@ -922,10 +922,14 @@ def test_lmcache_basic_check_test_remote_passes(cluster: Cluster, tmp_path: Path
 
 
 def _writes(cluster: Cluster) -> tuple[int, int]:
-    """Allocations and publishes the index served: the controller's calls, or what the
-    redis index's arenas counted (grants, publishes)."""
+    """Where writes got room and how often they published, as the index served them: the
+    controller's calls (allocates or extent leases; publishes of grants or of records laid
+    into extents), or what the redis index's arenas counted (grants, publishes)."""
     if cluster.redis:
         index = cluster.stats()["index"]
         return index["grants"], index["published"]
     controller = cluster.stats()["controller"]
-    return controller.get("rpc_allocate", 0), controller.get("rpc_publish", 0)
+    return (
+        controller.get("rpc_allocate", 0) + controller.get("rpc_lease_extents", 0),
+        controller.get("rpc_publish", 0) + controller.get("rpc_publish_carved", 0),
+    )

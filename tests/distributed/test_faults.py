@@ -161,6 +161,10 @@ def test_a_node_joining_later_is_used_by_existing_clients() -> None:
         store.batched_put(_keys(4), [b"x"] * 4)
         cluster.add_node()
         cluster.wait_nodes(2)
+        # The client learns of the new node from the next reply it gets (this put's, which
+        # may still go to the node it writes to through its extent); puts after it spread.
+        first = _keys(10)
+        assert store.batched_put(first, [b"y"] * 10) == [PutOutcome.STORED] * 10
         keys = _keys(100)
         values = [os.urandom(3000) for _ in keys]
         store.batched_put(keys, values)

@@ -91,15 +91,18 @@ def test_the_endpoints_have_help_and_type_lines_and_type_levels_as_gauges(
     assert samples['kvfabric_node_registered{name="node0",node="1"}'] == 1.0
 
 
-def test_a_put_moves_the_counters_by_exactly_what_it_did(cluster: Cluster) -> None:
+@pytest.mark.parametrize("extents", [True, False], ids=["extents", "allocate"])
+def test_a_put_moves_the_counters_by_exactly_what_it_did(cluster: Cluster, extents: bool) -> None:
     assert cluster.controller is not None
     node = cluster.nodes[0]
     assert node is not None
     controller_url = _metrics_url(cluster.controller.ready_line)
     node_url = _metrics_url(node.ready_line)
-    keys, value = _keys(4, 1), b"x" * 1000
-    with kvfabric.connect(cluster.url(transport="tcp")) as store:
-        store.batched_put(_keys(1, 0), [b"warm-up"])  # node table fetched, connection open
+    # Tags of this case's own: the cluster outlives it.
+    keys, value = _keys(4, 1 + 2 * extents), b"x" * 1000
+    with kvfabric.connect(cluster.url(transport="tcp", extents=str(int(extents)))) as store:
+        # Node table fetched, connection open (and with extents, one leased).
+        store.batched_put(_keys(1, 2 * extents), [b"warm-up"])
         before, node_before = _samples(_scrape(controller_url)), _samples(_scrape(node_url))
         assert store.batched_put(keys, [value] * 4) == [kvfabric.PutOutcome.STORED] * 4
         after, node_after = _samples(_scrape(controller_url)), _samples(_scrape(node_url))
@@ -110,11 +113,19 @@ def test_a_put_moves_the_counters_by_exactly_what_it_did(cluster: Cluster) -> No
     def moved(name: str, old: dict[str, float], new: dict[str, float]) -> float:
         return new[name] - old[name]
 
-    # One allocate and one publish for the batch; the scrapes themselves are not client RPCs.
-    assert moved("kvfabric_controller_rpcs_total", before, after) == 2
-    assert moved("kvfabric_controller_rpc_allocate_total", before, after) == 1
-    assert moved("kvfabric_controller_rpc_publish_total", before, after) == 1
-    assert moved("kvfabric_index_grants_total", before, after) == 4
+    # With an extent held, one publish of the records laid into it; else one allocate and
+    # one publish. The scrapes themselves are not client RPCs.
+    if extents:
+        assert moved("kvfabric_controller_rpcs_total", before, after) == 1
+        assert moved("kvfabric_controller_rpc_publish_carved_total", before, after) == 1
+        assert moved("kvfabric_index_carved_total", before, after) == 4
+        assert moved("kvfabric_index_grants_total", before, after) == 0
+        assert moved("kvfabric_index_extent_bytes", before, after) == -4 * record_size(1000)
+    else:
+        assert moved("kvfabric_controller_rpcs_total", before, after) == 2
+        assert moved("kvfabric_controller_rpc_allocate_total", before, after) == 1
+        assert moved("kvfabric_controller_rpc_publish_total", before, after) == 1
+        assert moved("kvfabric_index_grants_total", before, after) == 4
     assert moved("kvfabric_index_published_total", before, after) == 4
     assert moved("kvfabric_index_entries", before, after) == 4
     assert moved("kvfabric_index_stored_payload_bytes", before, after) == 4 * 1000
@@ -123,7 +134,9 @@ def test_a_put_moves_the_counters_by_exactly_what_it_did(cluster: Cluster) -> No
     written = 'kvfabric_node_tcp_bytes_written_total{name="node0",node="1"}'
     assert moved(written, node_before, node_after) == 4 * (64 + 1000)
 
-    # Stored keys offered again: one allocate that answers "stored", no bytes, no entries.
+    # Stored keys offered again: one call that answers (or is told) "stored", no bytes, no
+    # entries.
+    assert moved("kvfabric_controller_rpcs_total", after, repeat) == 1
     assert moved("kvfabric_index_dedup_hits_total", after, repeat) == 4
     assert moved("kvfabric_index_entries", after, repeat) == 0
     assert moved("kvfabric_index_grants_total", after, repeat) == 0

@@ -263,9 +263,12 @@ def test_a_torn_record_on_a_file_node_reads_as_a_miss_and_its_slot_is_reused() -
         )
         assert store.batched_get(keys)[5] is None
         assert _hits(store, keys[:5] + keys[6:], values[:5] + values[6:]) == 15
-        # The torn record's slot is free again: a value of its size lands right there.
+        # The torn record's slot is free again: a value of its size allocated per key (a
+        # put through an extent lands wherever its extent is) lands right there.
         (newcomer,) = _keys(1, "newcomer")
-        assert store.batched_put([newcomer], _values([newcomer], 100_000)) == [PutOutcome.STORED]
+        with kvfabric.connect(cluster.url(extents="0")) as allocating:
+            stored = allocating.batched_put([newcomer], _values([newcomer], 100_000))
+        assert stored == [PutOutcome.STORED]
         (placed,) = store.locate([newcomer])
         assert placed is not None
         assert (placed.region, placed.offset) == (victim.region, victim.offset)

@@ -628,3 +628,37 @@ def test_descriptors_from_wire_forms_are_built_when_taken() -> None:
     # Keys 4 and 5 are held twice (two lookups found them), so 6 keys fill the 8 entries.
     assert len(cache) == 6
     assert cache.take(keys[4:]) == descriptors[4:]
+
+
+def test_the_image_header_says_when_the_data_nodes_changed() -> None:
+    index = MemoryIndex(grace=0.0)
+    region = index.lookup_image()
+    assert region is not None
+
+    def generation() -> int:
+        ImageGeometry.from_header(region.view)  # its check still holds
+        return ImageGeometry.nodes_generation_of(region.view)
+
+    before = generation()
+    node = index.register_node(
+        NodeInfo(name="n", regions=(RegionInfo(id=1, size=1 << 20, rkey=5),), endpoints=())
+    )
+    assert generation() == before + 1
+    (extent,) = index.lease_extents(4096, 4096, 1)
+    assert extent.nodes_generation == before + 1
+    index.remove_node(node.id)
+    assert generation() == before + 2
+    index.close()
+
+
+def test_extents_leased_before_the_nodes_changed_are_given_back_unwritten() -> None:
+    with kvfabric.connect(f"embedded://{uuid.uuid4().hex}") as store:
+        index = store.local_index
+        assert index is not None
+        assert store.batched_put(_keys(4), [b"v" * 100] * 4) == [PutOutcome.STORED] * 4
+        assert index.stats()["extents"] == 1
+        # Another node registers: the image's nodes generation moves on.
+        index.register_node(NodeInfo(name="elsewhere", regions=(), endpoints=()))
+        assert store.batched_put(_keys(4), [b"w" * 100] * 4) == [PutOutcome.STORED] * 4
+        stats = index.stats()
+        assert (stats["extents_returned"], stats["carve_refused"], stats["extents"]) == (1, 0, 1)

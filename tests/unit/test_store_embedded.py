@@ -16,7 +16,7 @@ from kvfabric import PutOutcome
 from kvfabric.errors import ConfigError
 from kvfabric.indexes.memory import MemoryIndex
 from kvfabric.keys import chain_keys
-from kvfabric.spi import AllocateResult, AllocationRequest, hookimpl
+from kvfabric.spi import AllocateResult, AllocationRequest, Extent, hookimpl
 from kvfabric.spi.plugins import PluginManager
 from kvfabric.spi.record import HEADER_SIZE, record_size
 from kvfabric.testing import corrupt_payload
@@ -192,6 +192,19 @@ class _PausedWriterIndex(MemoryIndex):
         time.sleep(result.lease * 0.6)
         return result
 
+    def lease_extents(
+        self,
+        need: int,
+        want: int,
+        count: int,
+        exclude: Sequence[int] = (),
+        returned: Sequence[int] = (),
+    ) -> list[Extent]:
+        extents = super().lease_extents(need, want, count, exclude, returned)
+        if extents:
+            time.sleep(extents[0].lease * 0.6)
+        return extents
+
 
 class _PausedWriterPlugin:
     @hookimpl
@@ -199,10 +212,11 @@ class _PausedWriterPlugin:
         registry.add("paused", _PausedWriterIndex)
 
 
-def test_a_writer_held_up_past_half_its_lease_writes_nothing() -> None:
+@pytest.mark.parametrize("extents", [True, False], ids=["extent", "allocate"])
+def test_a_writer_held_up_past_half_its_lease_writes_nothing(extents: bool) -> None:
     plugins = PluginManager()
     plugins.register(_PausedWriterPlugin(), name="paused-writer")
-    url = f"embedded://{uuid.uuid4().hex}?index=paused&lease=500ms"
+    url = f"embedded://{uuid.uuid4().hex}?index=paused&lease=500ms&extents={int(extents)}"
     with kvfabric.connect(url, plugins=plugins) as store:
         keys = chain_keys(list(range(4)), 1, namespace=b"late")
         assert store.batched_put(keys, [b"late bytes"] * 4) == [PutOutcome.FAILED] * 4

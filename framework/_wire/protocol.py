@@ -107,7 +107,9 @@ __all__ = [
 ]
 
 MAGIC = b"KVFC"
-PROTOCOL_VERSION = 2
+# 3: extents (LEASE_EXTENTS, PUBLISH_CARVED; the image location says whether the index
+# leases them). A frame of another version is refused with BAD_VERSION, naming both.
+PROTOCOL_VERSION = 3
 REPLY_BIT = 0x8000
 MAX_BATCH = 1 << 20
 HEADER = struct.Struct("<4sHHQQQ")

@@ -742,6 +742,7 @@ class MemoryIndex(IndexPlugin):
                 self._counters["no_space"] += 1
                 return []
             want = max(need, min(_aligned(want), _aligned(int(sum(granting) * _EXTENT_SHARE))))
+            evictions_before = self._counters["evictions"]
             nodes = set(exclude)
             out: list[Extent] = []
             for _ in range(count):
@@ -751,12 +752,14 @@ class MemoryIndex(IndexPlugin):
                 nodes.add(extent.node)
                 out.append(extent)
             self._keep_headroom(now)
+            evictions = self._counters["evictions"] - evictions_before
+            if out and evictions:
+                out[0] = attrs.evolve(out[0], evictions=evictions)
             return out
 
     def _lease_one(self, need: int, want: int, exclude: set[int], now: float) -> Extent | None:
         """An extent on a node not in ``exclude``: ``want`` bytes of free space, else
         ``need`` bytes, evicting for them."""
-        evictions_before = self._counters["evictions"]
         size, placed = want, self._fit(want, exclude)
         if placed is None:
             size, placed = need, self._fit(need, exclude)
@@ -768,7 +771,6 @@ class MemoryIndex(IndexPlugin):
                 self._counters["no_space"] += 1
             return None
         space, offset = placed
-        evictions = self._counters["evictions"] - evictions_before
         versions = size // MIN_RECORD
         self._next_extent += 1
         extent = Extent(
@@ -781,7 +783,6 @@ class MemoryIndex(IndexPlugin):
             first_version=self._next_version + 1,
             versions=versions,
             lease=self._lease,
-            evictions=evictions,
             nodes_generation=self._nodes_generation,
         )
         self._next_version += versions

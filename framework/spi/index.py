@@ -147,7 +147,8 @@ class Extent:
     lease: float
     """Seconds the extent is leased for, from the call that leased it."""
     evictions: int = 0
-    """Entries the call that leased it evicted to make room."""
+    """Entries the call that leased it evicted to make room (on the first extent it
+    leased; 0 on the others)."""
     nodes_generation: int = 0
     """The index's nodes generation when it was leased (also in its lookup image's header):
     a writer uses the extent only while the image says the same. A node that restarted

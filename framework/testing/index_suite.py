@@ -621,3 +621,13 @@ class IndexConformance:
     def test_no_extent_larger_than_any_region_is_leased(self, index: IndexPlugin) -> None:
         _leased(index, _SLOT)
         assert index.lease_extents(4 << 20, 4 << 20, 1) == []
+
+    def test_a_lease_reports_the_evictions_it_caused(self, make_index: MakeIndex) -> None:
+        index = make_index(IndexConfig(grace=0.0, headroom=0.0))
+        index.register_node(_node("n1", 2 * _SLOT))
+        _leased(index, _SLOT)  # half the node, never evicted; skips for an index leasing none
+        _put(index, _keys(1))  # the other half: the node is full
+        assert index.stats()["evictions"] == 0
+        (extent,) = index.lease_extents(_SLOT, _SLOT, 1)
+        assert extent.evictions == 1
+        assert index.stats()["evictions"] == 1

@@ -27,7 +27,7 @@ __all__ = ["Carving", "ExtentPool", "HeldExtent", "stripes"]
 
 LEASE_SHARE = 0.5
 """Share of an extent's lease after which no new record is carved from it."""
-EXTENT_BYTES = 64 << 20
+EXTENT_BYTES = 16 << 20
 """Bytes a lease asks for at least (the index may give less; a put needing more asks for
 four times what it needs): a store writing a few puts a second leases rarely."""
 RETRY_AFTER = 5.0

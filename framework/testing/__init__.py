@@ -21,6 +21,7 @@ from kvfabric._tools.busy import BusyThread
 from kvfabric._tools.cluster import Cluster, free_port
 from kvfabric.testing.hooks import corrupt_payload, resolve_descriptor
 from kvfabric.testing.index_suite import IndexConformance, MakeIndex
+from kvfabric.testing.recovery import RECOVERY_BOUND, exact_hits, wait_for
 from kvfabric.testing.store_suite import StoreConformance
 from kvfabric.testing.transport_suite import (
     MakeClient,
@@ -33,6 +34,7 @@ from kvfabric.testing.transport_suite import (
 )
 
 __all__ = [
+    "RECOVERY_BOUND",
     "BusyThread",
     "Cluster",
     "IndexConformance",
@@ -42,10 +44,12 @@ __all__ = [
     "StoreConformance",
     "TransportConformance",
     "corrupt_payload",
+    "exact_hits",
     "free_port",
     "open_client",
     "resolve_descriptor",
     "round_trip_works",
     "segment_for",
+    "wait_for",
     "wait_until_stopped",
 ]

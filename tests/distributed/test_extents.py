@@ -13,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -22,9 +21,8 @@ import kvfabric
 from kvfabric import PutOutcome, Store
 from kvfabric.keys import chain_keys
 from kvfabric.spi import record_size
-from kvfabric.testing import Cluster
+from kvfabric.testing import Cluster, exact_hits, wait_for
 
-_RECOVERY_BOUND = 30.0
 _VALUE = 256 << 10
 _BATCH = 16
 _CAPACITY = 256 << 20
@@ -39,25 +37,6 @@ def _keys(n: int, salt: str) -> list[bytes]:
 
 def _values(keys: list[bytes], size: int = _VALUE) -> list[bytes]:
     return [np.random.default_rng(int.from_bytes(k[:8], "little")).bytes(size) for k in keys]
-
-
-def _hits(store: Store, keys: list[bytes], values: list[bytes]) -> int:
-    """How many keys read back exactly; a wrong value fails the test at once."""
-    got = store.batched_get(keys)
-    wrong = [i for i, g in enumerate(got) if g is not None and bytes(g) != values[i]]
-    assert wrong == [], f"wrong values for {len(wrong)} keys"
-    return sum(g is not None for g in got)
-
-
-def _wait_for(what: str, check: Callable[[], bool]) -> float:
-    started = time.monotonic()
-    while not check():
-        if time.monotonic() - started > _RECOVERY_BOUND:
-            raise AssertionError(f"{what}: not within {_RECOVERY_BOUND:g}s")
-        time.sleep(0.1)
-    elapsed = time.monotonic() - started
-    print(f"\n{what}: {elapsed:.2f}s")
-    return elapsed
 
 
 def _index(cluster: Cluster) -> dict[str, int]:
@@ -83,7 +62,7 @@ def test_a_put_into_held_extents_is_one_control_round_trip(transport: str) -> No
             keys = _keys(_BATCH, f"put{n}")
             values = _values(keys)
             rpcs.append(_put_rpcs(store, keys, values))
-            assert _hits(store, keys, values) == _BATCH
+            assert exact_hits(store, keys, values) == _BATCH
         # A lease and the publish, then the publish alone while the extent has room; the
         # put that finds it full gives it back in the same call that leases the next.
         assert rpcs == [2, 1, 1, 2, 1]
@@ -111,7 +90,7 @@ def test_a_put_spreads_over_the_nodes_one_extent_each() -> None:
         assert len(set(nodes[:2])) == 2
         assert nodes.count(nodes[0]) == _BATCH // 2
         assert _index(cluster)["extents"] == 2
-        assert _hits(store, keys, values) == _BATCH
+        assert exact_hits(store, keys, values) == _BATCH
 
 
 def test_a_stored_batch_put_again_moves_no_bytes_and_counts_as_stored_again() -> None:
@@ -128,7 +107,7 @@ def test_a_stored_batch_put_again_moves_no_bytes_and_counts_as_stored_again() ->
         assert after["payload_bytes_written"] == before["payload_bytes_written"]
         assert after["control_rpcs"] - before["control_rpcs"] == 1
         assert _index(cluster)["dedup_hits"] - dedup_before == _BATCH
-        assert _hits(store, keys, values) == _BATCH
+        assert exact_hits(store, keys, values) == _BATCH
 
 
 _HOLDER = """
@@ -166,7 +145,7 @@ def test_a_client_killed_holding_an_extent_gives_its_space_back_when_the_lease_r
         finally:
             holder.kill()  # SIGKILL: the extent is never given back
             holder.wait()
-        _wait_for(
+        wait_for(
             "a killed client's extent taken back when its lease ran out",
             lambda: _index(cluster)["extents"] == 0,
         )
@@ -196,11 +175,11 @@ def test_a_controller_restarted_under_a_client_holding_extents() -> None:
             fresh_values = _values(fresh)
             outcomes = store.batched_put(fresh, fresh_values)
             seen.update(outcomes)
-            return outcomes == [PutOutcome.STORED] * _BATCH and _hits(
+            return outcomes == [PutOutcome.STORED] * _BATCH and exact_hits(
                 store, fresh, fresh_values
             ) == len(fresh)
 
-        _wait_for("stored through new extents after a controller restart", stores_again)
+        wait_for("stored through new extents after a controller restart", stores_again)
         # The old extent went with the old controller: a put with it fails, never raises.
         assert seen <= {PutOutcome.STORED, PutOutcome.FAILED}
 
@@ -208,9 +187,11 @@ def test_a_controller_restarted_under_a_client_holding_extents() -> None:
             after = _keys(_BATCH, "settled")
             return _put_rpcs(store, after, _values(after)) == 1
 
-        _wait_for("puts cost one control round trip again", one_round_trip)
+        wait_for("puts cost one control round trip again", one_round_trip)
         # The records restored from the node read back.
-        _wait_for("the same client hits its keys again", lambda: _hits(store, keys, values) == 16)
+        wait_for(
+            "the same client hits its keys again", lambda: exact_hits(store, keys, values) == 16
+        )
 
 
 @pytest.mark.parametrize(
@@ -239,7 +220,7 @@ def test_a_node_restarted_under_a_client_holding_extents(transport: str, backend
         if transport == "tcp":
             assert outcomes == [PutOutcome.FAILED] * 4
         cluster.start_node(0)
-        _wait_for(
+        wait_for(
             "the restarted node registered",
             lambda: [n.instance for n in cluster.node_infos()] not in ([], [old.instance]),
         )
@@ -249,9 +230,9 @@ def test_a_node_restarted_under_a_client_holding_extents(transport: str, backend
             fresh_values = _values(fresh)
             if store.batched_put(fresh, fresh_values) != [PutOutcome.STORED] * _BATCH:
                 return False
-            return _hits(store, fresh, fresh_values) == _BATCH
+            return exact_hits(store, fresh, fresh_values) == _BATCH
 
-        _wait_for("stored through a new extent after a node restart", stores_again)
+        wait_for("stored through a new extent after a node restart", stores_again)
         index = _index(cluster)
         # Nothing was laid into the extent from before the restart: the index never had to
         # refuse a record of it.

@@ -18,10 +18,7 @@ import pytest
 import kvfabric
 from kvfabric import PutOutcome, Store
 from kvfabric.keys import chain_keys
-from kvfabric.testing import Cluster, wait_until_stopped
-
-_RECOVERY_BOUND = 30.0
-"""Seconds a recovery may take before the test calls it a hang (node timeout is 2 s)."""
+from kvfabric.testing import Cluster, exact_hits, wait_for, wait_until_stopped
 
 
 def _keys(n: int, salt: str) -> list[bytes]:
@@ -32,32 +29,13 @@ def _values(keys: list[bytes], size: int) -> list[bytes]:
     return [np.random.default_rng(int.from_bytes(k[:8], "little")).bytes(size) for k in keys]
 
 
-def _wait_for(what: str, check: Callable[[], bool]) -> float:
-    started = time.monotonic()
-    while not check():
-        if time.monotonic() - started > _RECOVERY_BOUND:
-            raise AssertionError(f"{what}: not within {_RECOVERY_BOUND:g}s")
-        time.sleep(0.1)
-    elapsed = time.monotonic() - started
-    print(f"\n{what}: {elapsed:.2f}s")
-    return elapsed
-
-
-def _hits(store: Store, keys: list[bytes], values: list[bytes]) -> int:
-    """How many keys read back exactly; a wrong value fails the test at once."""
-    got = store.batched_get(keys)
-    wrong = [i for i, g in enumerate(got) if g is not None and bytes(g) != values[i]]
-    assert wrong == [], f"wrong values for {len(wrong)} keys"
-    return sum(g is not None for g in got)
-
-
 def _stores_again(store: Store, salt: str) -> Callable[[], bool]:
     def check() -> bool:
         keys = _keys(8, salt)
         values = _values(keys, 4096)
         if store.batched_put(keys, values) != [PutOutcome.STORED] * 8:
             return False
-        return _hits(store, keys, values) == 8
+        return exact_hits(store, keys, values) == 8
 
     return check
 
@@ -86,18 +64,18 @@ def test_a_node_killed_and_restarted_under_its_name_serves_the_same_client(
         # controller drops the node; tcp finds no one to talk to.
         if transport == "tcp":
             assert during == [PutOutcome.FAILED] * 4
-        assert _hits(store, keys, values) in (0, 32)
+        assert exact_hits(store, keys, values) in (0, 32)
         cluster.start_node(0)
-        _wait_for(
+        wait_for(
             "the restarted node registered (after the old one timed out)",
             lambda: [n.instance for n in cluster.node_infos()] not in ([], [old.instance]),
         )
-        _wait_for(
+        wait_for(
             f"{transport}: stored and read back after a node restart",
             _stores_again(store, "after"),
         )
         # dram died with the process: the old keys are misses now, never wrong values.
-        assert _hits(store, keys, values) == 0
+        assert exact_hits(store, keys, values) == 0
         if transport == "shm":
             assert _mapped_regions() == 1  # the dead incarnation's memory was let go
 
@@ -110,11 +88,11 @@ def test_a_node_dropped_for_silence_then_restarted_serves_the_same_client() -> N
         assert store.batched_put(_keys(4, "a"), [b"v"] * 4) == [PutOutcome.STORED] * 4
         cluster.signal_node(0, signal.SIGSTOP)
         wait_until_stopped(cluster.node_pid(0))
-        _wait_for("the controller dropped the silent node", lambda: cluster.node_names() == [])
+        wait_for("the controller dropped the silent node", lambda: cluster.node_names() == [])
         cluster.signal_node(0, signal.SIGCONT)
         cluster.kill_node(0)
         cluster.start_node(0)
-        _wait_for("stored and read back after drop and restart", _stores_again(store, "b"))
+        wait_for("stored and read back after drop and restart", _stores_again(store, "b"))
 
 
 def test_a_node_replaced_by_a_new_one_on_a_new_port_serves_the_same_client() -> None:
@@ -126,9 +104,9 @@ def test_a_node_replaced_by_a_new_one_on_a_new_port_serves_the_same_client() -> 
         old = cluster.node_infos()[0]
         cluster.kill_node(0)
         replacement = cluster.add_node()
-        _wait_for("stored and read back through the replacement", _stores_again(store, "b"))
-        _wait_for("the dead node dropped", lambda: cluster.node_names() == [f"node{replacement}"])
-        _wait_for("stored and read back with only the replacement", _stores_again(store, "c"))
+        wait_for("stored and read back through the replacement", _stores_again(store, "b"))
+        wait_for("the dead node dropped", lambda: cluster.node_names() == [f"node{replacement}"])
+        wait_for("stored and read back with only the replacement", _stores_again(store, "c"))
         new = cluster.node_infos()[0]
         assert new.id != old.id
         assert new.endpoints[0].address != old.endpoints[0].address
@@ -142,11 +120,11 @@ def test_a_node_restarted_with_a_smaller_capacity_is_filled_normally() -> None:
         store.batched_put(_keys(64, "big"), [os.urandom(64 * 1024)] * 64)
         cluster.kill_node(0)
         cluster.start_node(0, capacity="4MiB")
-        _wait_for(
+        wait_for(
             "the index reports the new capacity",
             lambda: cluster.stats()["index"]["capacity_bytes"] == 4 << 20,
         )
-        _wait_for("stored again after the restart", _stores_again(store, "c"))
+        wait_for("stored again after the restart", _stores_again(store, "c"))
         # Twice the capacity in 64 KiB values: every put is stored, evicting older ones.
         outcomes: list[PutOutcome] = []
         for n in range(8):
@@ -168,13 +146,13 @@ def test_a_live_nodes_name_cannot_be_taken_over() -> None:
         # A second process claiming the live node's name, on its own port and memory.
         cluster.nodes.append(None)
         cluster.start_node(len(cluster.nodes) - 1, name="node0")
-        _wait_for(
+        wait_for(
             "the controller refused the takeover",
             lambda: cluster.stats()["controller"].get("takeovers_refused", 0) >= 1,
         )
         (still,) = cluster.node_infos()
         assert (still.instance, still.incarnation) == (owner.instance, owner.incarnation)
-        assert _hits(store, keys, values) == 8
+        assert exact_hits(store, keys, values) == 8
 
 
 def test_a_controller_holding_100k_entries_restarts_with_them() -> None:
@@ -191,18 +169,18 @@ def test_a_controller_holding_100k_entries_restarts_with_them() -> None:
         assert cluster.stats()["index"]["entries"] == count
         cluster.kill_controller()  # SIGKILL
         cluster.start_controller()
-        _wait_for(
+        wait_for(
             "the restarted controller rebuilt 100k entries from the node",
             lambda: cluster.stats()["index"].get("entries", 0) >= count,
         )
         found = 0
-        _wait_for(
+        wait_for(
             "the same client hits its keys again",
             lambda: store.batched_contains(keys[:1000]) == 1000,
         )
         for start in range(0, count, 10_000):
             chunk = slice(start, start + 10_000)
-            found += _hits(store, keys[chunk], values[chunk])
+            found += exact_hits(store, keys[chunk], values[chunk])
         print(f"hits after the restart: {found} of {count}")
         assert found >= 0.999 * count
 
@@ -221,18 +199,18 @@ def test_a_file_node_with_1gib_killed_restarts_with_its_records(tmp_path: Path) 
         old = cluster.node_infos()[0]
         cluster.kill_node(0)  # SIGKILL: nothing flushed, the page cache keeps the bytes
         cluster.start_node(0)
-        _wait_for(
+        wait_for(
             "the restarted file node rescanned, registered and restored its records",
             lambda: (
                 [n.instance for n in cluster.node_infos()] not in ([], [old.instance])
                 and cluster.stats()["index"].get("entries", 0) >= count
             ),
         )
-        _wait_for("the same client stores again", _stores_again(store, "after"))
+        wait_for("the same client stores again", _stores_again(store, "after"))
         found = 0
         for start in range(0, count, 256):
             batch = keys[start : start + 256]
-            found += _hits(store, batch, _values(batch, size))
+            found += exact_hits(store, batch, _values(batch, size))
         print(f"hits after kill -9 and restart: {found} of {count}")
         assert found >= 0.999 * count
 
@@ -254,7 +232,7 @@ def test_a_torn_record_on_a_file_node_reads_as_a_miss_and_its_slot_is_reused() -
             f.seek(victim.offset + 64 + 50_000)
             f.write(b"\x00" * 4096)
         cluster.start_node(0)
-        _wait_for(
+        wait_for(
             "the restarted node rescanned and registered",
             lambda: (
                 [n.instance for n in cluster.node_infos()] not in ([], [old.instance])
@@ -262,7 +240,7 @@ def test_a_torn_record_on_a_file_node_reads_as_a_miss_and_its_slot_is_reused() -
             ),
         )
         assert store.batched_get(keys)[5] is None
-        assert _hits(store, keys[:5] + keys[6:], values[:5] + values[6:]) == 15
+        assert exact_hits(store, keys[:5] + keys[6:], values[:5] + values[6:]) == 15
         # The torn record's slot is free again: a value of its size allocated per key (a
         # put through an extent lands wherever its extent is) lands right there.
         (newcomer,) = _keys(1, "newcomer")
@@ -274,4 +252,4 @@ def test_a_torn_record_on_a_file_node_reads_as_a_miss_and_its_slot_is_reused() -
         assert (placed.region, placed.offset) == (victim.region, victim.offset)
         # And the torn key is stored again by its next put.
         assert store.batched_put([keys[5]], [values[5]]) == [PutOutcome.STORED]
-        assert _hits(store, [keys[5]], [values[5]]) == 1
+        assert exact_hits(store, [keys[5]], [values[5]]) == 1

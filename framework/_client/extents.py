@@ -1,11 +1,12 @@
 """The extents a writer holds: where its next records go, without asking the index.
 
-An index that leases extents (:meth:`~kvfabric.spi.Index.lease_extent`) lets a put lay its
-records into a run of region it holds and publish them in one call, instead of an
+An index that leases extents (:meth:`~kvfabric.spi.Index.lease_extents`) lets a put lay its
+records into runs of region it holds and publish them in one call, instead of an
 ``allocate`` round trip that places each key. This module keeps the extents a store holds
-between puts and carves each put's records from one of them: records back to back, each at
-the next :data:`~kvfabric.spi.SLOT_ALIGN` boundary, versions counting up — what the index
-checks when they are published.
+between puts (one per data node) and carves each put's records from them: dealt round-robin
+over the extents, and in each one back to back, each at the next
+:data:`~kvfabric.spi.SLOT_ALIGN` boundary, versions counting up — what the index checks
+when they are published.
 
 A put takes an extent out of the pool for its whole write and publish, then gives it back,
 so concurrent puts never carve one extent at once (the index takes an extent's records only

@@ -143,7 +143,8 @@ class Extent:
     size: int
     first_version: int
     versions: int
-    """How many versions, from ``first_version``, records carved from it may carry."""
+    """How many versions, from ``first_version``, records carved from it may carry: one
+    per smallest record it could hold (writers count on as many)."""
     lease: float
     """Seconds the extent is leased for, from the call that leased it."""
     evictions: int = 0
@@ -382,9 +383,8 @@ class Index(abc.ABC):
         self, records: Sequence[CarvedRecord], again: Sequence[bytes] = ()
     ) -> list[CarveOutcome]:
         """Publish records written into extents, each extent's in the order they lie in
-        it: one outcome per record. The space in an extent before a record and after the
-        last one published (a record not published) is taken back, as an aborted grant's
-        slot is.
+        it: one outcome per record. Space the records skip in an extent (where a record was
+        not published) is taken back, as an aborted grant's slot is.
 
         ``again``: keys the writer found stored already (in the lookup image) and so did
         not write: each published one counts as stored once more and used now, as an

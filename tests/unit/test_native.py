@@ -202,42 +202,71 @@ def test_copy_many_refuses_spans_out_of_order_overlapping_or_out_of_range(
     assert dest == bytearray(1)
 
 
+def _copy_wide(dest: Any, source: Any, crc_of_source: bool) -> int:
+    [crc] = native.copy_many([(dest, source)], [(0, 1)], crc_of_source=crc_of_source)
+    return crc
+
+
+def _copy_narrow(dest: Any, source: Any, crc_of_source: bool) -> int:
+    # One pass either way: the CRC is of the words stored, which are the source's.
+    return native.copy_crc32c_narrow(dest, source)
+
+
+# copy_many's own pass (32-byte stores where the CPU has AVX2), and the 8-byte pass CPUs
+# without AVX2 take, which this machine can run too.
+COPY_PASSES = [
+    pytest.param(_copy_wide, id="copy_many"),
+    pytest.param(_copy_narrow, id="narrow"),
+]
+
+
+@pytest.mark.parametrize("copy", COPY_PASSES)
 @pytest.mark.parametrize("size", [*SIZES, 3 * 8192 * 3 + 5])
 @pytest.mark.parametrize("crc_of_source", [False, True])
-def test_copy_many_checksums_every_byte_at_every_alignment(size: int, crc_of_source: bool) -> None:
-    """Each word is checksummed as it is stored: the leading bytes before the source is
-    aligned, three streams of blocks, then words and bytes left over, all land and count."""
+def test_copy_many_checksums_every_byte_at_every_alignment(
+    copy: Callable[[Any, Any, bool], int], size: int, crc_of_source: bool
+) -> None:
+    """Each word is checksummed as it is stored: the leading bytes before the destination
+    (32-byte stores) or source (8-byte ones) is aligned, three streams of blocks, then words
+    and bytes left over, all land and count."""
     for src_at in range(9):
-        for dest_at in (0, 3):
+        for dest_at in (0, 3, 17, 31):
             source = memoryview(DATA)[src_at : src_at + size]
-            backing = bytearray(size + 16)
+            backing = bytearray(size + 48)
             dest = memoryview(backing)[dest_at : dest_at + size]
-            [crc] = native.copy_many([(dest, source)], [(0, 1)], crc_of_source=crc_of_source)
-            assert crc == _crc(source)
+            assert copy(dest, source, crc_of_source) == _crc(source)
             assert dest == source
             assert not any(backing[:dest_at])
             assert not any(backing[dest_at + size :])
 
 
+@pytest.mark.parametrize("copy", COPY_PASSES)
 @pytest.mark.parametrize("crc_of_source", [False, True])
 def test_copy_many_of_a_megabyte_or_more_lands_every_byte_whatever_the_stores(
-    crc_of_source: bool,
+    copy: Callable[[Any, Any, bool], int], crc_of_source: bool
 ) -> None:
     """Copies of 1 MiB and more store non-temporally where the destination sits level with
-    the source or at least 256 bytes ahead of it modulo 4 KiB, and plainly elsewhere: every
-    placement lands exactly the bytes it checksums, and nothing around them."""
+    the source or far enough from it modulo 4 KiB, and plainly elsewhere: every placement
+    lands exactly the bytes it checksums, and nothing around them."""
     size = (1 << 20) + 8192 * 3 + 13
     source_backing = np.random.default_rng(7).integers(0, 256, size + 8192, dtype=np.uint8)
     for src_at in (0, 8, 64, 4032):
-        for dest_at in (0, 8, 48, 64, 200, 320, 2048, 4088):
+        for dest_at in (0, 8, 48, 64, 200, 320, 2048, 3900, 4088):
             source = source_backing[src_at : src_at + size]
             backing = np.zeros(size + 8192, dtype=np.uint8)
             dest = backing[dest_at : dest_at + size]
-            [crc] = native.copy_many([(dest, source)], [(0, 1)], crc_of_source=crc_of_source)
-            assert crc == _crc(source)
+            assert copy(dest, source, crc_of_source) == _crc(source)
             assert np.array_equal(dest, source)
             assert not backing[:dest_at].any()
             assert not backing[dest_at + size :].any()
+
+
+def test_copy_crc32c_narrow_refuses_a_short_or_overlapping_destination() -> None:
+    with pytest.raises(ValueError, match="shorter"):
+        native.copy_crc32c_narrow(bytearray(3), b"abcd")
+    shared = bytearray(16)
+    with pytest.raises(ValueError, match="overlap"):
+        native.copy_crc32c_narrow(memoryview(shared)[4:], memoryview(shared)[:8])
 
 
 def test_copy_many_can_checksum_the_sources_and_copies_the_same_bytes() -> None:

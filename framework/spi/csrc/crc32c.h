@@ -23,6 +23,13 @@ uint32_t kvf_crc32c(uint32_t crc, const void *buf, size_t len);
  * continuing from `crc`, in one pass: each word is checksummed as it is stored. */
 uint32_t kvf_copy_crc32c(void *dest, const void *src, size_t len, uint32_t crc);
 
+/* 1 when kvf_copy_crc32c moves 32 bytes per load and store (AVX2), 0 for 8. */
+int kvf_copy_crc32c_wide(void);
+
+/* kvf_copy_crc32c with 8-byte loads and stores, as on a CPU without AVX2 (exposed so
+ * tests can check it anywhere). */
+uint32_t kvf_copy_crc32c_narrow(void *dest, const void *src, size_t len, uint32_t crc);
+
 /* The same, always through the portable table (exposed so tests can check it). */
 uint32_t kvf_crc32c_table(uint32_t crc, const void *buf, size_t len);
 

@@ -357,6 +357,30 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args) { return one_crc(args
 
 static PyObject *py_crc32c_portable(PyObject *self, PyObject *args) { return one_crc(args, 1); }
 
+/* copy_crc32c_narrow(dest, src, value=0) -> int: one copy through the 8-byte pass CPUs
+   without AVX2 take (keeps the GIL; for tests). */
+static PyObject *py_copy_crc32c_narrow(PyObject *self, PyObject *args) {
+    Py_buffer dest, src;
+    unsigned long long value = 0;
+    if (!PyArg_ParseTuple(args, "w*y*|K", &dest, &src, &value))
+        return NULL;
+    PyObject *result = NULL;
+    uintptr_t d = (uintptr_t)dest.buf, s = (uintptr_t)src.buf;
+    size_t n = (size_t)src.len;
+    if (value > 0xffffffffULL)
+        PyErr_SetString(PyExc_ValueError, "copy_crc32c_narrow: value is an int in [0, 2**32)");
+    else if (dest.len < src.len)
+        PyErr_SetString(PyExc_ValueError, "copy_crc32c_narrow: dest is shorter than src");
+    else if (n && d < s + n && s < d + n)
+        PyErr_SetString(PyExc_ValueError, "copy_crc32c_narrow: dest and src overlap");
+    else
+        result = PyLong_FromUnsignedLong(
+            kvf_copy_crc32c_narrow(dest.buf, src.buf, n, (uint32_t)value));
+    PyBuffer_Release(&dest);
+    PyBuffer_Release(&src);
+    return result;
+}
+
 static PyObject *py_crc32c_many(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"values", "initial", NULL};
     PyObject *values, *initial = Py_None;
@@ -1572,6 +1596,9 @@ static PyMethodDef methods[] = {
      "gil_reacquisitions() -> int: times this module took the GIL back, in this thread."},
     {"crc32c_portable", py_crc32c_portable, METH_VARARGS,
      "crc32c_portable(data, value=0, /) -> int: crc32c through the portable table."},
+    {"copy_crc32c_narrow", py_copy_crc32c_narrow, METH_VARARGS,
+     "copy_crc32c_narrow(dest, src, value=0, /) -> int: one copy and its crc32c through "
+     "8-byte loads and stores."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1604,7 +1631,9 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(m, "GIL_RELEASE_MIN", GIL_RELEASE_MIN) < 0 ||
         PyModule_AddIntConstant(m, "IOV_MAX", (long)iov_max) < 0 ||
         PyModule_AddObjectRef(m, "HARDWARE_CRC32C", kvf_crc32c_hardware() ? Py_True : Py_False) <
-            0) {
+            0 ||
+        PyModule_AddObjectRef(m, "WIDE_COPY_CRC32C",
+                              kvf_copy_crc32c_wide() ? Py_True : Py_False) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -59,6 +59,7 @@ __all__ = [
     "PeerClosed",
     "ServeEnd",
     "copy_crc32c_narrow",
+    "copy_handoffs",
     "copy_many",
     "crc32c",
     "crc32c_many",
@@ -168,6 +169,13 @@ def copy_many(
     stores of a call are ordered before those of any later call (a store fence ends a
     non-temporal copy), so a writer that copies payloads first and their headers in a second
     call lands them in that order.
+
+    A batch of 8 MiB or more ends on a helper thread: once what is left should take no
+    longer than the interpreter's switch interval, a helper copies the rest while this
+    thread takes the GIL back, so the wait for the GIL beside a busy Python thread (about
+    one switch interval) overlaps the copy instead of following it
+    (:func:`copy_handoffs` counts these). A 64 x 4 MiB shm read beside a busy thread went
+    from a median 0.63x of its rate alone to 1.03x.
     """
     return _native.copy_many(pairs, crc_spans, crc_of_source)
 
@@ -338,6 +346,13 @@ def gil_reacquisitions() -> int:
     socket wait.
     """
     return _native.gil_reacquisitions()
+
+
+def copy_handoffs() -> int:
+    """How many :func:`copy_many` batches the calling thread ended on a helper thread while
+    it took the GIL back (a batch of at least 8 MiB, once what was left would take no longer
+    than the switch interval; see :func:`copy_many`)."""
+    return _native.copy_handoffs()
 
 
 def ucp_post(

@@ -19,6 +19,7 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -40,9 +41,17 @@
 #define RECV_CRC_WINDOW (256 * 1024)
 #define SEND_CRC_WINDOW (1024 * 1024)
 
+/* A copy batch of at least this many bytes ends on a helper thread while the calling thread
+   waits for the GIL (copy_many); below it a thread's start (~50 us) costs more than the
+   overlap can save. */
+#define HANDOFF_MIN (8u << 20)
+/* The unit a copy is handed over at: a pair, or this much of a larger one. */
+#define HANDOFF_CHUNK (1u << 20)
+
 static PyObject *PeerClosed;
 static size_t iov_max;
 static _Thread_local unsigned long long reacquired;
+static _Thread_local unsigned long long handed_off;
 
 #define RELEASE_GIL(ts) ((ts) = PyEval_SaveThread())
 #define TAKE_GIL(ts)                                                                         \
@@ -513,6 +522,105 @@ static void copy_crc(char *dest, const char *src, size_t n, uint32_t *crc, int o
     }
 }
 
+/* A copy batch's pairs (views 2i: destination, 2i + 1: source), from pair `pair`, byte `at`
+   of it, on: whoever runs it continues each span's CRC where the last runner left it. */
+typedef struct {
+    Py_buffer *v;
+    const int32_t *span_of;
+    uint32_t *crcs;
+    Py_ssize_t n;
+    int of_source;
+    Py_ssize_t pair;
+    size_t at;
+} CopyJob;
+
+/* Copy one unit from where `j` stands: the rest of a pair whose source and destination
+   overlap (memmove picks its direction for the whole), else up to HANDOFF_CHUNK bytes.
+   Returns the bytes moved; `j` then stands past them. */
+static size_t copy_unit(CopyJob *j) {
+    Py_ssize_t i = j->pair;
+    char *dest = j->v[2 * i].buf;
+    const char *src = j->v[2 * i + 1].buf;
+    size_t len = (size_t)j->v[2 * i + 1].len, at = j->at, c = len - at;
+    uintptr_t d = (uintptr_t)dest, s = (uintptr_t)src;
+    if (c > HANDOFF_CHUNK && !(d < s + len && s < d + len))
+        c = HANDOFF_CHUNK;
+    if (j->span_of[i] >= 0)
+        copy_crc(dest + at, src + at, c, &j->crcs[j->span_of[i]], j->of_source);
+    else if (c)
+        memmove(dest + at, src + at, c);
+    if (at + c == len) {
+        j->pair++;
+        j->at = 0;
+    } else {
+        j->at = at + c;
+    }
+    return c;
+}
+
+static void copy_range(CopyJob *j) {
+    while (j->pair < j->n)
+        copy_unit(j);
+    /* Every byte of this batch is stored before any store of a later call: a writer that
+       copies payloads in one call and their headers in the next publishes them in that
+       order to a reader on another CPU (x86 keeps store order; glibc fences its
+       non-temporal stores; this keeps the compiler from moving stores across). A helper
+       thread's stores are ordered before the caller's later ones by the join. */
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+}
+
+static void *copy_thread(void *job) {
+    copy_range(job);
+    return NULL;
+}
+
+/* sys.getswitchinterval() in ns (with the GIL); CPython's default, 5 ms, if it cannot be
+   read. */
+static int64_t switch_interval_ns(void) {
+    PyObject *sys = PyImport_ImportModule("sys");
+    PyObject *value = sys ? PyObject_CallMethod(sys, "getswitchinterval", NULL) : NULL;
+    double seconds = value ? PyFloat_AsDouble(value) : -1.0;
+    Py_XDECREF(value);
+    Py_XDECREF(sys);
+    if (!(seconds > 0)) {
+        PyErr_Clear();
+        seconds = 0.005;
+    }
+    return (int64_t)(seconds * 1e9);
+}
+
+/* Copy `j` with the GIL released (by the caller), and take the GIL back into *ts.
+
+   Why: beside a busy Python thread, taking the GIL back waits about one switch interval
+   (5 ms by default), 10-20 % of a 64 x 4 MiB shm read. So once what is left should take
+   no longer than that wait, the rest goes to a helper thread and this one asks for the
+   GIL meanwhile: the wait and the copy's tail overlap. With no thread wanting the GIL this
+   thread gets it at once and holds it while the helper finishes: about one switch interval
+   at most, what any Python thread may hold it for. If the helper cannot start, this thread
+   copies the rest itself. */
+static void copy_then_take_gil(CopyJob *j, size_t total, int64_t interval_ns,
+                               PyThreadState **ts) {
+    int64_t started = kvf_now_ns();
+    size_t done = 0;
+    while (j->pair < j->n) {
+        done += copy_unit(j);
+        double elapsed = (double)(kvf_now_ns() - started);
+        /* What is left, at the pace so far, fits in the wait for the GIL. */
+        if (j->pair < j->n && done && elapsed * (double)(total - done) <=
+                                          (double)interval_ns * (double)done) {
+            pthread_t helper;
+            if (pthread_create(&helper, NULL, copy_thread, j) != 0)
+                break;
+            TAKE_GIL(*ts);
+            handed_off++;
+            pthread_join(helper, NULL);
+            return;
+        }
+    }
+    copy_range(j);
+    TAKE_GIL(*ts);
+}
+
 static PyObject *py_copy_many(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"pairs", "crc_spans", "crc_of_source", NULL};
     PyObject *pairs, *spans = Py_None;
@@ -570,25 +678,20 @@ static PyObject *py_copy_many(PyObject *self, PyObject *args, PyObject *kwargs) 
         total += (size_t)need;
     }
 
-    PyThreadState *ts = NULL;
-    if (total >= GIL_RELEASE_MIN)
+    CopyJob job = {vs.v, span_of, crcs, n, of_source, 0, 0};
+    if (total < GIL_RELEASE_MIN) {
+        copy_range(&job);
+    } else {
+        PyThreadState *ts;
+        int64_t interval_ns = total < HANDOFF_MIN ? 0 : switch_interval_ns();
         RELEASE_GIL(ts);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        char *dest = vs.v[2 * i].buf;
-        const char *src = vs.v[2 * i + 1].buf;
-        size_t len = (size_t)vs.v[2 * i + 1].len;
-        if (span_of[i] >= 0)
-            copy_crc(dest, src, len, &crcs[span_of[i]], of_source);
-        else if (len)
-            memmove(dest, src, len);
+        if (interval_ns > 0) {
+            copy_then_take_gil(&job, total, interval_ns, &ts);
+        } else {
+            copy_range(&job);
+            TAKE_GIL(ts);
+        }
     }
-    /* Every byte of this batch is stored before any store of a later call: a writer that
-       copies payloads in one call and their headers in the next publishes them in that
-       order to a reader on another CPU (x86 keeps store order; glibc fences its
-       non-temporal stores; this keeps the compiler from moving stores across). */
-    __atomic_thread_fence(__ATOMIC_RELEASE);
-    if (ts)
-        TAKE_GIL(ts);
     result = crc_list(crcs, nspans);
 done:
     views_release(&vs);
@@ -1555,6 +1658,10 @@ static PyObject *py_gil_reacquisitions(PyObject *self, PyObject *unused) {
     return PyLong_FromUnsignedLongLong(reacquired);
 }
 
+static PyObject *py_copy_handoffs(PyObject *self, PyObject *unused) {
+    return PyLong_FromUnsignedLongLong(handed_off);
+}
+
 /* -- module --------------------------------------------------------------------------------- */
 
 static PyMethodDef methods[] = {
@@ -1594,6 +1701,9 @@ static PyMethodDef methods[] = {
      "until done."},
     {"gil_reacquisitions", py_gil_reacquisitions, METH_NOARGS,
      "gil_reacquisitions() -> int: times this module took the GIL back, in this thread."},
+    {"copy_handoffs", py_copy_handoffs, METH_NOARGS,
+     "copy_handoffs() -> int: copy_many batches this thread ended on a helper thread while "
+     "it took the GIL back."},
     {"crc32c_portable", py_crc32c_portable, METH_VARARGS,
      "crc32c_portable(data, value=0, /) -> int: crc32c through the portable table."},
     {"copy_crc32c_narrow", py_copy_crc32c_narrow, METH_VARARGS,

@@ -35,6 +35,7 @@ from kvfabric.spi import (
     Segment,
     TransportConfig,
     Writer,
+    gil_handoffs,
     gil_reacquisitions,
     plugin_manager,
 )
@@ -368,10 +369,12 @@ def test_a_python_thread_keeps_running_while_reads_are_in_flight() -> None:
 
 
 @needs_ucx
+@pytest.mark.usefixtures("long_switch_interval")
 def test_a_64_record_read_and_put_take_the_gil_back_once_per_batch() -> None:
     """Posts, progress, completion checks and CRCs run in kvfabric's native loops, which take
     the GIL back once per wait (counted by the module). A put waits twice where its headers'
-    flush is a network round trip (UCX_TLS=tcp): the payloads' flush, then the headers'."""
+    flush is a network round trip (UCX_TLS=tcp): the payloads' flush, then the headers'. A
+    get's CRC pass, last in its call, ends on a helper thread while the GIL comes back."""
     name = f"ucx-gil-{os.urandom(4).hex()}"
     url = f"embedded://{name}?capacity=640MiB&transport=ucx&timeout=60s"
     values = [
@@ -384,12 +387,14 @@ def test_a_64_record_read_and_put_take_the_gil_back_once_per_batch() -> None:
         outcomes = store.batched_put(keys, values)
         put_returns = gil_reacquisitions() - before
         assert store.batched_contains(keys) == 64
-        before = gil_reacquisitions()
+        before, handoffs = gil_reacquisitions(), gil_handoffs()
         got = store.batched_get(keys, into=dests)
         get_returns = gil_reacquisitions() - before
+        get_handoffs = gil_handoffs() - handoffs
     assert {o.value for o in outcomes} == {"stored"}
     assert all(np.array_equal(g, v) for g, v in zip(got, values, strict=True))
     assert get_returns == 1
+    assert get_handoffs == 1
     assert put_returns == (2 if TLS == "tcp" else 1)
 
 

@@ -13,7 +13,6 @@ import os
 import random
 import socket
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -279,18 +278,6 @@ def test_copy_many_can_checksum_the_sources_and_copies_the_same_bytes() -> None:
         assert bytes(dest[: len(src)]) == src
 
 
-@pytest.fixture
-def long_switch_interval() -> Iterator[None]:
-    """A switch interval of 1 s: any batch of a few MiB is then short beside the wait for
-    the GIL, so copy_many hands its rest over after its first unit, on any machine."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(1.0)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
-
-
 @pytest.mark.usefixtures("long_switch_interval")
 @pytest.mark.parametrize("crc_of_source", [False, True])
 def test_a_large_copy_ends_on_a_helper_and_lands_every_byte_with_each_spans_crc(
@@ -304,11 +291,11 @@ def test_a_large_copy_ends_on_a_helper_and_lands_every_byte_with_each_spans_crc(
     sources = [rng.integers(0, 256, size, dtype=np.uint8) for size in sizes]
     dests = [np.zeros(size + 64, dtype=np.uint8) for size in sizes]
     spans = [(0, 3), (3, 4), (5, 6)]  # pair 4 is copied with no CRC
-    handoffs, taken = native.copy_handoffs(), native.gil_reacquisitions()
+    handoffs, taken = native.gil_handoffs(), native.gil_reacquisitions()
     crcs = native.copy_many(
         list(zip(dests, sources, strict=True)), spans, crc_of_source=crc_of_source
     )
-    assert native.copy_handoffs() - handoffs == 1
+    assert native.gil_handoffs() - handoffs == 1
     assert native.gil_reacquisitions() - taken == 1
     assert crcs == [_crc(b"".join(s.tobytes() for s in sources[a:b])) for a, b in spans]
     for dest, source in zip(dests, sources, strict=True):
@@ -320,14 +307,14 @@ def test_a_large_copy_ends_on_a_helper_and_lands_every_byte_with_each_spans_crc(
 def test_a_copy_below_8_mib_or_of_one_overlapping_pair_is_not_handed_over() -> None:
     """Below 8 MiB a thread's start costs more than it saves; a pair whose source and
     destination overlap moves whole (memmove chooses its direction for all of it)."""
-    handoffs = native.copy_handoffs()
+    handoffs = native.gil_handoffs()
     small = [(bytearray(4 << 20), DATA[: 1 << 20]) for _ in range(7)]
     assert native.copy_many(small, [(0, 7)]) == [_crc(DATA[: 1 << 20] * 7)]
     size = 9 << 20
     buffer = np.random.default_rng(9).integers(0, 256, size + 4096, dtype=np.uint8)
     source_before = buffer[4096:].copy()
     [crc] = native.copy_many([(buffer[:size], buffer[4096:])], [(0, 1)])
-    assert native.copy_handoffs() == handoffs
+    assert native.gil_handoffs() == handoffs
     assert crc == _crc(source_before)
     assert np.array_equal(buffer[:size], source_before)
 

@@ -41,11 +41,11 @@
 #define RECV_CRC_WINDOW (256 * 1024)
 #define SEND_CRC_WINDOW (1024 * 1024)
 
-/* A copy batch of at least this many bytes ends on a helper thread while the calling thread
-   waits for the GIL (copy_many); below it a thread's start (~50 us) costs more than the
-   overlap can save. */
+/* A batch of at least this many bytes (a copy, a ucx get's CRCs) ends on a helper thread
+   while the calling thread waits for the GIL (run_then_take_gil); below it a thread's start
+   (~50 us) costs more than the overlap can save. */
 #define HANDOFF_MIN (8u << 20)
-/* The unit a copy is handed over at: a pair, or this much of a larger one. */
+/* The unit a batch is handed over at: an item, or this much of a larger one. */
 #define HANDOFF_CHUNK (1u << 20)
 
 static PyObject *PeerClosed;
@@ -522,35 +522,50 @@ static void copy_crc(char *dest, const char *src, size_t n, uint32_t *crc, int o
     }
 }
 
-/* A copy batch's pairs (views 2i: destination, 2i + 1: source), from pair `pair`, byte `at`
-   of it, on: whoever runs it continues each span's CRC where the last runner left it. */
+/* The GIL's return overlapped with a batch's tail: see run_then_take_gil. A batch is the
+   pairs of a copy (views 2i: destination, 2i + 1: source) or the buffers of a CRC pass
+   (view i), from item `item`, byte `at` of it, on; whoever runs it continues each span's
+   CRC where the last runner left it. */
+typedef enum { JOB_COPY, JOB_COPY_CRC_OF_SOURCE, JOB_CRC } JobKind;
+
 typedef struct {
     Py_buffer *v;
     const int32_t *span_of;
     uint32_t *crcs;
     Py_ssize_t n;
-    int of_source;
-    Py_ssize_t pair;
+    JobKind kind;
+    Py_ssize_t item;
     size_t at;
-} CopyJob;
+} BatchJob;
 
-/* Copy one unit from where `j` stands: the rest of a pair whose source and destination
+/* Run one unit from where `j` stands: the rest of a pair whose source and destination
    overlap (memmove picks its direction for the whole), else up to HANDOFF_CHUNK bytes.
-   Returns the bytes moved; `j` then stands past them. */
-static size_t copy_unit(CopyJob *j) {
-    Py_ssize_t i = j->pair;
-    char *dest = j->v[2 * i].buf;
-    const char *src = j->v[2 * i + 1].buf;
-    size_t len = (size_t)j->v[2 * i + 1].len, at = j->at, c = len - at;
-    uintptr_t d = (uintptr_t)dest, s = (uintptr_t)src;
-    if (c > HANDOFF_CHUNK && !(d < s + len && s < d + len))
-        c = HANDOFF_CHUNK;
-    if (j->span_of[i] >= 0)
-        copy_crc(dest + at, src + at, c, &j->crcs[j->span_of[i]], j->of_source);
-    else if (c)
-        memmove(dest + at, src + at, c);
+   Returns the bytes it covered; `j` then stands past them. */
+static size_t run_unit(BatchJob *j) {
+    Py_ssize_t i = j->item;
+    int32_t span = j->span_of[i];
+    size_t at = j->at, len, c;
+    if (j->kind == JOB_CRC) {
+        const char *buf = j->v[i].buf;
+        len = (size_t)j->v[i].len;
+        c = len - at < HANDOFF_CHUNK ? len - at : HANDOFF_CHUNK;
+        if (span >= 0)
+            j->crcs[span] = kvf_crc32c(j->crcs[span], buf + at, c);
+    } else {
+        char *dest = j->v[2 * i].buf;
+        const char *src = j->v[2 * i + 1].buf;
+        uintptr_t d = (uintptr_t)dest, s = (uintptr_t)src;
+        len = (size_t)j->v[2 * i + 1].len;
+        c = len - at;
+        if (c > HANDOFF_CHUNK && !(d < s + len && s < d + len))
+            c = HANDOFF_CHUNK;
+        if (span >= 0)
+            copy_crc(dest + at, src + at, c, &j->crcs[span], j->kind == JOB_COPY_CRC_OF_SOURCE);
+        else if (c)
+            memmove(dest + at, src + at, c);
+    }
     if (at + c == len) {
-        j->pair++;
+        j->item++;
         j->at = 0;
     } else {
         j->at = at + c;
@@ -558,10 +573,10 @@ static size_t copy_unit(CopyJob *j) {
     return c;
 }
 
-static void copy_range(CopyJob *j) {
-    while (j->pair < j->n)
-        copy_unit(j);
-    /* Every byte of this batch is stored before any store of a later call: a writer that
+static void run_range(BatchJob *j) {
+    while (j->item < j->n)
+        run_unit(j);
+    /* Every byte of a copy is stored before any store of a later call: a writer that
        copies payloads in one call and their headers in the next publishes them in that
        order to a reader on another CPU (x86 keeps store order; glibc fences its
        non-temporal stores; this keeps the compiler from moving stores across). A helper
@@ -569,8 +584,8 @@ static void copy_range(CopyJob *j) {
     __atomic_thread_fence(__ATOMIC_RELEASE);
 }
 
-static void *copy_thread(void *job) {
-    copy_range(job);
+static void *run_thread(void *job) {
+    run_range(job);
     return NULL;
 }
 
@@ -589,35 +604,38 @@ static int64_t switch_interval_ns(void) {
     return (int64_t)(seconds * 1e9);
 }
 
-/* Copy `j` with the GIL released (by the caller), and take the GIL back into *ts.
+/* Run `j` (`total` bytes) with the GIL released by the caller, and take the GIL back into
+   *ts; `interval_ns` is the switch interval, read while the GIL was held.
 
    Why: beside a busy Python thread, taking the GIL back waits about one switch interval
    (5 ms by default), 10-20 % of a 64 x 4 MiB shm read. So once what is left should take
    no longer than that wait, the rest goes to a helper thread and this one asks for the
-   GIL meanwhile: the wait and the copy's tail overlap. With no thread wanting the GIL this
-   thread gets it at once and holds it while the helper finishes: about one switch interval
-   at most, what any Python thread may hold it for. If the helper cannot start, this thread
-   copies the rest itself. */
-static void copy_then_take_gil(CopyJob *j, size_t total, int64_t interval_ns,
-                               PyThreadState **ts) {
-    int64_t started = kvf_now_ns();
-    size_t done = 0;
-    while (j->pair < j->n) {
-        done += copy_unit(j);
-        double elapsed = (double)(kvf_now_ns() - started);
-        /* What is left, at the pace so far, fits in the wait for the GIL. */
-        if (j->pair < j->n && done && elapsed * (double)(total - done) <=
-                                          (double)interval_ns * (double)done) {
-            pthread_t helper;
-            if (pthread_create(&helper, NULL, copy_thread, j) != 0)
-                break;
-            TAKE_GIL(*ts);
-            handed_off++;
-            pthread_join(helper, NULL);
-            return;
+   GIL meanwhile: the wait and the batch's tail overlap. With no thread wanting the GIL
+   this thread gets it at once and holds it while the helper finishes: about one switch
+   interval at most, what any Python thread may hold it for. Batches below HANDOFF_MIN,
+   and any whose helper cannot start, run here to the end. */
+static void run_then_take_gil(BatchJob *j, size_t total, int64_t interval_ns,
+                              PyThreadState **ts) {
+    if (total >= HANDOFF_MIN) {
+        int64_t started = kvf_now_ns();
+        size_t done = 0;
+        while (j->item < j->n) {
+            done += run_unit(j);
+            double elapsed = (double)(kvf_now_ns() - started);
+            /* What is left, at the pace so far, fits in the wait for the GIL. */
+            if (j->item < j->n && done && elapsed * (double)(total - done) <=
+                                              (double)interval_ns * (double)done) {
+                pthread_t helper;
+                if (pthread_create(&helper, NULL, run_thread, j) != 0)
+                    break;
+                TAKE_GIL(*ts);
+                handed_off++;
+                pthread_join(helper, NULL);
+                return;
+            }
         }
     }
-    copy_range(j);
+    run_range(j);
     TAKE_GIL(*ts);
 }
 
@@ -678,19 +696,14 @@ static PyObject *py_copy_many(PyObject *self, PyObject *args, PyObject *kwargs) 
         total += (size_t)need;
     }
 
-    CopyJob job = {vs.v, span_of, crcs, n, of_source, 0, 0};
+    BatchJob job = {vs.v, span_of, crcs, n, of_source ? JOB_COPY_CRC_OF_SOURCE : JOB_COPY, 0, 0};
     if (total < GIL_RELEASE_MIN) {
-        copy_range(&job);
+        run_range(&job);
     } else {
-        PyThreadState *ts;
         int64_t interval_ns = total < HANDOFF_MIN ? 0 : switch_interval_ns();
+        PyThreadState *ts;
         RELEASE_GIL(ts);
-        if (interval_ns > 0) {
-            copy_then_take_gil(&job, total, interval_ns, &ts);
-        } else {
-            copy_range(&job);
-            TAKE_GIL(ts);
-        }
+        run_then_take_gil(&job, total, interval_ns, &ts);
     }
     result = crc_list(crcs, nspans);
 done:
@@ -1617,6 +1630,12 @@ static PyObject *py_ucp_wait(PyObject *self, PyObject *args, PyObject *kwargs) {
             span_crcs(&vs, span_of, crcs);
     }
     if (!finished) {
+        /* A get's CRC pass comes last: its tail overlaps the GIL's return. */
+        size_t crc_bytes = 0;
+        for (Py_ssize_t i = 0; i < vs.n; i++)
+            if (span_of[i] >= 0)
+                crc_bytes += (size_t)vs.v[i].len;
+        int64_t interval_ns = crc_first || crc_bytes < HANDOFF_MIN ? 0 : switch_interval_ns();
         PyThreadState *ts;
         RELEASE_GIL(ts);
         if (crc_first && !try_first) /* a put: the sources' CRCs while posted puts move */
@@ -1632,9 +1651,12 @@ static PyObject *py_ucp_wait(PyObject *self, PyObject *args, PyObject *kwargs) {
                 (void)poll(&p, 1, idle_ms); /* EINTR: the next round checks the deadline */
             }
         }
-        if (w.failure == UCS_OK && !crc_first)
-            span_crcs(&vs, span_of, crcs);
-        TAKE_GIL(ts);
+        if (w.failure == UCS_OK && !crc_first) {
+            BatchJob job = {vs.v, span_of, crcs, vs.n, JOB_CRC, 0, 0};
+            run_then_take_gil(&job, crc_bytes, interval_ns, &ts);
+        } else {
+            TAKE_GIL(ts);
+        }
     }
     PyObject *left = request_list(w.requests, w.n);
     PyObject *crc_out = left ? crc_list(crcs, w.failure == UCS_OK ? nspans : 0) : NULL;
@@ -1658,7 +1680,7 @@ static PyObject *py_gil_reacquisitions(PyObject *self, PyObject *unused) {
     return PyLong_FromUnsignedLongLong(reacquired);
 }
 
-static PyObject *py_copy_handoffs(PyObject *self, PyObject *unused) {
+static PyObject *py_gil_handoffs(PyObject *self, PyObject *unused) {
     return PyLong_FromUnsignedLongLong(handed_off);
 }
 
@@ -1701,9 +1723,9 @@ static PyMethodDef methods[] = {
      "until done."},
     {"gil_reacquisitions", py_gil_reacquisitions, METH_NOARGS,
      "gil_reacquisitions() -> int: times this module took the GIL back, in this thread."},
-    {"copy_handoffs", py_copy_handoffs, METH_NOARGS,
-     "copy_handoffs() -> int: copy_many batches this thread ended on a helper thread while "
-     "it took the GIL back."},
+    {"gil_handoffs", py_gil_handoffs, METH_NOARGS,
+     "gil_handoffs() -> int: batches (copies, a ucx get's CRCs) this thread ended on a "
+     "helper thread while it took the GIL back."},
     {"crc32c_portable", py_crc32c_portable, METH_VARARGS,
      "crc32c_portable(data, value=0, /) -> int: crc32c through the portable table."},
     {"copy_crc32c_narrow", py_copy_crc32c_narrow, METH_VARARGS,

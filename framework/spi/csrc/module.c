@@ -20,6 +20,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -625,8 +626,15 @@ static void run_then_take_gil(BatchJob *j, size_t total, int64_t interval_ns,
             /* What is left, at the pace so far, fits in the wait for the GIL. */
             if (j->item < j->n && done && elapsed * (double)(total - done) <=
                                               (double)interval_ns * (double)done) {
+                /* The helper blocks every signal (it inherits the mask it starts with):
+                   they stay with the threads Python knows. */
+                sigset_t all, mask;
+                sigfillset(&all);
+                pthread_sigmask(SIG_BLOCK, &all, &mask);
                 pthread_t helper;
-                if (pthread_create(&helper, NULL, run_thread, j) != 0)
+                int started_helper = pthread_create(&helper, NULL, run_thread, j) == 0;
+                pthread_sigmask(SIG_SETMASK, &mask, NULL);
+                if (!started_helper)
                     break;
                 TAKE_GIL(*ts);
                 handed_off++;

@@ -316,6 +316,7 @@ def request_reply(
     status_offset: int = 0,
     crc_spans: Spans | None = None,
     busy_poll: float = 0.0,
+    hold_gil: float = 0.0,
 ) -> list[int]:
     """One request and its reply in one GIL release: send, fill ``reply``, then the payloads.
 
@@ -332,9 +333,15 @@ def request_reply(
     receive this long before sleeping in ``poll()``, the GIL released. Waking a sleeping
     thread costs more than a small reply's whole round trip over loopback on an idle host;
     a spin costs at most ``busy_poll`` of one CPU per call.
+
+    ``hold_gil`` (seconds, at most 0.001): a call smaller than :data:`GIL_RELEASE_MIN`
+    waits this long in all for its socket with the GIL held, and releases it only past
+    that. Beside a busy Python thread, taking the GIL back costs about one switch interval
+    (5 ms); a reply that comes within the hold costs no return of the GIL at all, and the
+    other threads wait at most ``hold_gil`` for it.
     """
     return _native.request_reply(
-        fd, request, reply, payloads, deadline, status_offset, crc_spans, busy_poll
+        fd, request, reply, payloads, deadline, status_offset, crc_spans, busy_poll, hold_gil
     )
 
 

@@ -13,6 +13,8 @@ import os
 import random
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -865,6 +867,93 @@ def test_a_request_reply_takes_the_gil_back_once(
     assert native.gil_reacquisitions() - before == 1
     join()
     assert targets == [bytearray(p) for p in payloads]
+
+
+_ECHO_PROCESS = """
+import socket, struct, sys
+head = struct.Struct("<4sI")
+conn = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while True:
+    request = conn.recv(head.size + 4)  # a small request arrives whole over loopback
+    if not request:
+        break
+    conn.sendall(request[: head.size] + bytes(4))
+"""
+
+
+@pytest.fixture
+def echo_process() -> Iterator[socket.socket]:
+    """A socket to a real process that answers each small request at once: a reply no
+    thread of this process has to produce (which would need the GIL)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _ECHO_PROCESS, str(listener.getsockname()[1])]
+        )
+        try:
+            listener.settimeout(30)
+            sock, _ = listener.accept()
+            with sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                yield sock
+        finally:
+            child.kill()
+            child.wait()
+
+
+def _small_request(sock: socket.socket, hold_gil: float) -> int:
+    """One 12-byte request and its 12-byte reply; returns the GIL returns it took."""
+    reply = bytearray(_HEAD.size + 4)
+    before = native.gil_reacquisitions()
+    native.request_reply(
+        sock,
+        [_HEAD.pack(b"KVFT", 4), bytes(4)],
+        reply,
+        [],
+        time.monotonic() + 30,
+        hold_gil=hold_gil,
+    )
+    assert reply == _HEAD.pack(b"KVFT", 4) + bytes(4)
+    return native.gil_reacquisitions() - before
+
+
+def test_a_small_request_reply_whose_reply_comes_within_the_hold_keeps_the_gil(
+    echo_process: socket.socket,
+) -> None:
+    """Without a hold a call waits for its reply with the GIL released and takes it back
+    once (all but a call preempted between its send and its first look for the reply).
+    With one, a reply that comes within it costs no return (at least one of 20: a reply
+    over loopback takes tens of microseconds; the hold is a millisecond)."""
+    released = [_small_request(echo_process, 0.0) for _ in range(20)]
+    assert set(released) <= {0, 1}
+    assert released.count(1) >= 15
+    held = [_small_request(echo_process, 0.001) for _ in range(20)]
+    assert set(held) <= {0, 1}
+    assert 0 in held
+
+
+def test_a_reply_that_needs_the_gil_comes_after_the_hold_and_costs_one_return(
+    tcp_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """The hold is bounded: a peer thread of this process, which needs the GIL to answer,
+    answers once the call has let it go."""
+    client, server = tcp_pair
+
+    def answer() -> None:
+        request = bytearray(_HEAD.size + 4)
+        native.recv_into_all(server, [request], time.monotonic() + 30)
+        native.send_all(server, [bytes(request[: _HEAD.size]), bytes(4)], None)
+
+    join = _in_thread(answer)
+    assert _small_request(client, 0.001) == 1
+    join()
+
+
+@pytest.mark.parametrize("hold_gil", [-0.001, 0.0011, float("nan")])
+def test_request_reply_refuses_a_hold_outside_0_to_1_millisecond(hold_gil: float) -> None:
+    a, b = socket.socketpair()
+    with a, b, pytest.raises(ValueError, match="hold_gil"):
+        native.request_reply(a, [b"x"], bytearray(1), [], None, hold_gil=hold_gil)
 
 
 def test_a_small_socket_call_with_nothing_to_wait_for_keeps_the_gil(

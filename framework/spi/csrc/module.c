@@ -24,6 +24,7 @@
 #include <stdarg.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "pythread.h"
@@ -41,6 +42,9 @@
 /* The same for receive+CRC: at most this many bytes per recvmsg when CRCs are asked. */
 #define RECV_CRC_WINDOW (256 * 1024)
 #define SEND_CRC_WINDOW (1024 * 1024)
+/* The most a small request_reply may wait for its reply with the GIL held (hold_gil): a
+   longer hold would cost other threads more than the switch interval it saves. */
+#define HOLD_GIL_MAX 0.001
 
 /* A batch of at least this many bytes (a copy, a ucx get's CRCs) ends on a helper thread
    while the calling thread waits for the GIL (run_then_take_gil); below it a thread's start
@@ -775,18 +779,42 @@ static struct iovec *iovecs_of(const Py_buffer *v, Py_ssize_t n) {
 /* Where a socket call stands with the GIL: held (ts NULL) or released (ts saved). */
 typedef struct {
     PyThreadState *ts;
-    int try_first; /* small call: try without waiting, GIL held, before releasing it */
+    int try_first;      /* small call: try without waiting, GIL held, before releasing it */
+    int64_t hold_ns;    /* a small call's waits with the GIL held, in all (request_reply) */
+    int64_t hold_until; /* 0: no wait held yet */
 } Gil;
+
+/* Wait for `s`'s socket with the GIL held, within what is left of the call's hold (and
+   never past its deadline); 0 when that is spent or a signal came, so the caller lets the
+   GIL go and waits as usual. */
+static int hold_wait(kvf_stream *s, Gil *g) {
+    int64_t now = kvf_now_ns();
+    if (!g->hold_until)
+        g->hold_until = now + g->hold_ns;
+    int64_t until = g->hold_until;
+    if (s->deadline_ns >= 0 && s->deadline_ns < until)
+        until = s->deadline_ns;
+    if (now >= until)
+        return 0;
+    struct pollfd p = {.fd = s->fd, .events = s->sending ? POLLOUT : POLLIN};
+    struct timespec left = {(time_t)((until - now) / 1000000000),
+                            (long)((until - now) % 1000000000)};
+    return ppoll(&p, 1, &left, NULL) > 0;
+}
 
 /* Run a stream to its end; returns its status, or -1 with an exception set (a signal
    handler raised). A small call first moves what it can without waiting while it holds the
    GIL: a send that fits the socket buffer, or bytes that already arrived, then cost no
-   return of the GIL. From the first wait on, the GIL is released, and taken back only to
-   run signal handlers, until the caller's gil_end. */
+   return of the GIL; with a hold (request_reply's hold_gil), it also waits that long in
+   all for its socket with the GIL held. From the first wait past that, the GIL is released,
+   and taken back only to run signal handlers, until the caller's gil_end. */
 static int run_stream(kvf_stream *s, Gil *g) {
     if (!g->ts && g->try_first) {
         s->no_wait = 1;
-        int rc = kvf_stream_run(s);
+        int rc;
+        do
+            rc = kvf_stream_run(s);
+        while (rc == KVF_WOULD_WAIT && g->hold_ns > 0 && hold_wait(s, g));
         s->no_wait = 0;
         if (rc != KVF_WOULD_WAIT && rc != KVF_INTERRUPTED)
             return rc;
@@ -938,7 +966,7 @@ static PyObject *move_buffers(PyObject *fd_obj, PyObject *buffers, PyObject *dea
         s.crcs = crcs;
         s.window = sending ? SEND_CRC_WINDOW : RECV_CRC_WINDOW;
     }
-    Gil g = {NULL, total_len(vs.v, n) < GIL_RELEASE_MIN};
+    Gil g = {NULL, total_len(vs.v, n) < GIL_RELEASE_MIN, 0, 0};
     int rc = run_stream(&s, &g);
     gil_end(&g);
     if (rc != KVF_DONE)
@@ -1072,14 +1100,15 @@ done:
 }
 
 static PyObject *py_request_reply(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"fd",           "request",   "reply",     "payloads", "deadline",
-                             "status_offset", "crc_spans", "busy_poll", NULL};
+    static char *kwlist[] = {"fd",        "request",   "reply",    "payloads",
+                             "deadline",  "status_offset", "crc_spans", "busy_poll",
+                             "hold_gil",  NULL};
     PyObject *fd_obj, *send, *reply, *payloads, *deadline_obj, *spans = Py_None;
     Py_ssize_t status_offset = 0;
-    double busy_poll = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO|nOd:request_reply", kwlist, &fd_obj,
+    double busy_poll = 0, hold_gil = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO|nOdd:request_reply", kwlist, &fd_obj,
                                      &send, &reply, &payloads, &deadline_obj, &status_offset,
-                                     &spans, &busy_poll))
+                                     &spans, &busy_poll, &hold_gil))
         return NULL;
     const char *func = "request_reply";
     int64_t deadline, spin_ns;
@@ -1087,6 +1116,11 @@ static PyObject *py_request_reply(PyObject *self, PyObject *args, PyObject *kwar
     if (fd < 0 || parse_deadline(deadline_obj, &deadline) < 0 ||
         parse_busy_poll(busy_poll, &spin_ns, func) < 0)
         return NULL;
+    if (!(hold_gil >= 0 && hold_gil <= HOLD_GIL_MAX)) {
+        PyErr_Format(PyExc_ValueError, "%s: hold_gil must be 0 to %g seconds", func,
+                     HOLD_GIL_MAX);
+        return NULL;
+    }
     PyObject *send_fast = PySequence_Fast(send, "request_reply: request must be a sequence");
     if (!send_fast)
         return NULL;
@@ -1141,7 +1175,8 @@ static PyObject *py_request_reply(PyObject *self, PyObject *args, PyObject *kwar
     const unsigned char *status = (const unsigned char *)reply_view->buf + status_offset;
     uint64_t sent = 0, received = 0;
     kvf_stream s;
-    Gil g = {NULL, total_len(vs.v, nsend + 1 + npay) < GIL_RELEASE_MIN};
+    Gil g = {NULL, total_len(vs.v, nsend + 1 + npay) < GIL_RELEASE_MIN,
+             (int64_t)(hold_gil * 1e9), 0};
     stream_init(&s, fd, 1, send_iov, (size_t)nsend, deadline, scratch, nscratch);
     int rc = run_stream(&s, &g);
     sent = s.moved;
@@ -1721,7 +1756,8 @@ static PyMethodDef methods[] = {
      "recv_into_all(fd, buffers, deadline, crc_spans=None) -> list[int]: fill every buffer."},
     {"request_reply", (PyCFunction)(void (*)(void))py_request_reply, METH_VARARGS | METH_KEYWORDS,
      "request_reply(fd, request, reply, payloads, deadline, status_offset=0, crc_spans=None, "
-     "busy_poll=0.0) -> list[int]: send, receive the reply, then the payloads it accepts."},
+     "busy_poll=0.0, hold_gil=0.0) -> list[int]: send, receive the reply, then the payloads "
+     "it accepts."},
     {"ucp_post", (PyCFunction)(void (*)(void))py_ucp_post, METH_VARARGS | METH_KEYWORDS,
      "ucp_post(rma, flush, ep, param, buffers, remote, put) -> (status, requests): post a "
      "batch of libucp gets or puts (and a flush after puts), keeping the GIL."},

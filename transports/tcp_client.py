@@ -57,7 +57,7 @@ from kvfabric.transports.tcp_auth import (
     server_proof,
     unpack_greeting,
 )
-from kvfabric.transports.tcp_stream import PeerClosed, Stream, TlsStream
+from kvfabric.transports.tcp_stream import HOLD_GIL, PeerClosed, Stream, TlsStream
 from kvfabric.transports.tcp_tuning import AUTO, tune
 from kvfabric.transports.tcp_wire import (
     ENTRY,
@@ -180,7 +180,16 @@ class _Connection:
         reply = memoryview(bytearray(HEADER.size + count))
         try:
             crcs = self.stream.request_reply(
-                request, reply, payloads, deadline, status_offset=HEADER.size, crc_spans=crc_spans
+                request,
+                reply,
+                payloads,
+                deadline,
+                status_offset=HEADER.size,
+                crc_spans=crc_spans,
+                # Reads only: a node serves small READ frames in C, without the GIL, even one
+                # in this process (an embedded store's); a WRITE it serves in Python, which a
+                # hold here would keep waiting.
+                hold_gil=HOLD_GIL if op == Op.READ else 0.0,
             )
         except PeerClosed as closed:
             # An error reply is a bare header, then the node closes: read what it says.

@@ -89,8 +89,9 @@ def peer_closed(received: int, what: str) -> PeerClosed:
 
 
 HOLD_GIL = 0.001
-"""Seconds a small frame (a lookup's image buckets, a read under 256 KiB) waits for its
-reply with the GIL held before letting it go. Beside a busy Python thread (an engine's
+"""Seconds a small READ frame (a lookup's image buckets, a read under 256 KiB) waits for its
+reply with the GIL held before letting it go (the client passes it to
+:meth:`Stream.request_reply` for reads). Beside a busy Python thread (an engine's
 scheduler), taking the GIL back costs about one switch interval, 5 ms: a reply within this
 costs none, and the busy thread waits only until it comes (at most this long). A loopback
 round trip here is ~50 us to a server that is running and ~400 us to one that must be woken
@@ -203,11 +204,12 @@ class Stream:
         *,
         status_offset: int,
         crc_spans: Spans | None,
+        hold_gil: float = 0.0,
     ) -> list[int]:
         """Send ``request``, fill ``reply``, then each payload whose status byte
         (``reply[status_offset + i]``) is 0, checksumming ``crc_spans`` of the payloads as
         they land; one release of the GIL (:func:`kvfabric.spi.request_reply`), and none
-        when a small frame's reply comes within :data:`HOLD_GIL`."""
+        when a small frame's reply comes within ``hold_gil`` (:data:`HOLD_GIL`)."""
         return request_reply(
             self.sock,
             request,
@@ -217,7 +219,7 @@ class Stream:
             status_offset=status_offset,
             crc_spans=crc_spans,
             busy_poll=self.busy_poll,
-            hold_gil=HOLD_GIL,
+            hold_gil=hold_gil,
         )
 
 
@@ -321,9 +323,11 @@ class TlsStream(Stream):
         *,
         status_offset: int,
         crc_spans: Spans | None,
+        hold_gil: float = 0.0,
     ) -> list[int]:
         """As :meth:`Stream.request_reply`, in Python; the CRCs in one native call after
-        the payloads landed."""
+        the payloads landed. ``hold_gil`` changes nothing here: each ``ssl`` call releases
+        the GIL anyway."""
         self.send_all(request, deadline)
         self._fill(reply, deadline)
         received = reply.nbytes

@@ -786,8 +786,11 @@ typedef struct {
 
 /* Wait for `s`'s socket with the GIL held, within what is left of the call's hold (and
    never past its deadline); 0 when that is spent or a signal came, so the caller lets the
-   GIL go and waits as usual. */
+   GIL go and waits as usual. The stream's spin (busy_poll) comes first, as it would with
+   the GIL released: a sleep in ppoll costs a wake-up that a reply over loopback beats. */
 static int hold_wait(kvf_stream *s, Gil *g) {
+    if (kvf_stream_spinning(s))
+        return 1;
     int64_t now = kvf_now_ns();
     if (!g->hold_until)
         g->hold_until = now + g->hold_ns;

@@ -73,7 +73,7 @@ static int wait_ready(kvf_stream *s) {
    would-wait. On an idle host a sleeping thread's wake-up costs more than a small reply's
    whole round trip over loopback (~40 us of a ~65 us one here); a bounded spin keeps that
    off the short calls and costs a long one at most spin_ns of one CPU. */
-static int spinning(kvf_stream *s) {
+int kvf_stream_spinning(kvf_stream *s) {
     if (s->spin_ns <= 0)
         return 0;
     int64_t now = kvf_now_ns();
@@ -137,7 +137,7 @@ int kvf_stream_run(kvf_stream *s) {
         }
         if (s->no_wait)
             return KVF_WOULD_WAIT;
-        if (spinning(s))
+        if (kvf_stream_spinning(s))
             continue;
         int rc = wait_ready(s);
         if (rc != KVF_DONE)

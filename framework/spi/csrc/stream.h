@@ -52,4 +52,8 @@ int64_t kvf_now_ns(void);
 /* Move what is left; returns an enum kvf_status. Call again after KVF_INTERRUPTED. */
 int kvf_stream_run(kvf_stream *s);
 
+/* Within spin_ns of the stream's first would-wait (started now if not yet): pauses once and
+   returns 1, so the caller retries rather than sleeps; 0 past it (or without a spin). */
+int kvf_stream_spinning(kvf_stream *s);
+
 #endif

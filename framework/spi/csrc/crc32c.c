@@ -203,6 +203,21 @@ static int streams_well(const unsigned char *out, const unsigned char *next) {
     return ((uintptr_t)out & 7) == 0 && (ahead == 0 || ahead >= 256);
 }
 
+/* The end of a copy with its CRC: the last bytes, one at a time, then the fence that orders
+   a non-temporal copy's stores before any later store. */
+__attribute__((target("sse4.2"))) static inline uint32_t copy_crc32c_end(unsigned char *out,
+                                                                         const unsigned char *next,
+                                                                         size_t len, uint64_t crc0,
+                                                                         int streamed) {
+    while (len--) {
+        crc0 = _mm_crc32_u8((uint32_t)crc0, *next);
+        *out++ = *next++;
+    }
+    if (streamed)
+        _mm_sfence();
+    return (uint32_t)crc0 ^ 0xffffffffu;
+}
+
 /* crc32c_hw's loop, storing each word it loads: the copy and the CRC in one pass over the
    bytes, at the CRC instruction's throughput (far above memory bandwidth), so a copy that
    checksums costs about what the copy costs. The CRC is of the very bytes stored. */
@@ -252,13 +267,7 @@ __attribute__((target("sse4.2"))) static uint32_t copy_crc32c_hw(void *dest, con
         out += 8;
         len -= 8;
     }
-    while (len--) {
-        crc0 = _mm_crc32_u8((uint32_t)crc0, *next);
-        *out++ = *next++;
-    }
-    if (stream_out)
-        _mm_sfence();
-    return (uint32_t)crc0 ^ 0xffffffffu;
+    return copy_crc32c_end(out, next, len, crc0, stream_out);
 }
 
 /* Four words of a 32-byte register into a CRC: the CRC of the very bytes the register
@@ -331,13 +340,7 @@ __attribute__((target("avx2,sse4.2"))) static uint32_t copy_crc32c_wide(void *de
         out += 32;
         len -= 32;
     }
-    while (len--) {
-        crc0 = _mm_crc32_u8((uint32_t)crc0, *next);
-        *out++ = *next++;
-    }
-    if (stream_out)
-        _mm_sfence();
-    return (uint32_t)crc0 ^ 0xffffffffu;
+    return copy_crc32c_end(out, next, len, crc0, stream_out);
 }
 #endif
 

@@ -921,12 +921,13 @@ def test_a_small_request_reply_whose_reply_comes_within_the_hold_keeps_the_gil(
     echo_process: socket.socket,
 ) -> None:
     """Without a hold a call waits for its reply with the GIL released and takes it back
-    once (all but a call preempted between its send and its first look for the reply).
-    With one, a reply that comes within it costs no return (at least one of 20: a reply
-    over loopback takes tens of microseconds; the hold is a millisecond)."""
+    at most once: once, unless the reply is there at its first look (how often depends on
+    the scheduler: the echo process, woken on this call's CPU, can run before the call
+    looks, and did in 19 of 20 calls with the other CPU busy). With a hold, a reply that
+    comes within it costs no return: at least one of 20 (a reply over loopback takes tens
+    of microseconds; the hold is a millisecond)."""
     released = [_small_request(echo_process, 0.0) for _ in range(20)]
     assert set(released) <= {0, 1}
-    assert released.count(1) >= 15
     held = [_small_request(echo_process, 0.001) for _ in range(20)]
     assert set(held) <= {0, 1}
     assert 0 in held

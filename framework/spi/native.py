@@ -69,6 +69,7 @@ __all__ = [
     "prefault",
     "recv_into_all",
     "request_reply",
+    "request_reply_lanes",
     "send_all",
     "send_checksummed",
     "serve_reads",
@@ -343,6 +344,35 @@ def request_reply(
     return _native.request_reply(
         fd, request, reply, payloads, deadline, status_offset, crc_spans, busy_poll, hold_gil
     )
+
+
+def request_reply_lanes(
+    lanes: Sequence[
+        tuple[
+            FileDescriptorLike,
+            Sequence[ReadableBuffer],
+            WriteableBuffer,
+            Sequence[WriteableBuffer],
+            int,
+            Spans | None,
+        ]
+    ],
+    deadline: float | None,
+    *,
+    busy_poll: float = 0.0,
+) -> list[list[int]]:
+    """:func:`request_reply` on several sockets at once, in one GIL release.
+
+    Each lane is ``(fd, request, reply, payloads, status_offset, crc_spans)``, on a socket
+    of its own (at most 8 lanes). The calling thread runs the first lane and a helper
+    thread each other (started with every signal blocked; a lane whose thread cannot start
+    runs after the first, on the calling thread). Returns each lane's CRCs. If any lane
+    fails, raises the error of the first that failed, in lane order; when the first lane
+    fails, the others' sockets are shut down so the call returns at once: the caller must
+    close every lane's connection after an error. The GIL is taken back once (and once
+    per signal that interrupts the first lane's waits).
+    """
+    return _native.request_reply_lanes(lanes, deadline, busy_poll)
 
 
 def gil_reacquisitions() -> int:

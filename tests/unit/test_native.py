@@ -869,6 +869,144 @@ def test_a_request_reply_takes_the_gil_back_once(
     assert targets == [bytearray(p) for p in payloads]
 
 
+# -- request_reply_lanes: request_reply on several sockets at once --------------------------
+
+
+@pytest.fixture
+def tcp_pairs() -> Iterator[list[tuple[socket.socket, socket.socket]]]:
+    """Three connected (client, server) pairs over 127.0.0.1."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        pairs = []
+        for _ in range(3):
+            client = socket.create_connection(listener.getsockname())
+            server, _ = listener.accept()
+            pairs.append((client, server))
+    try:
+        yield pairs
+    finally:
+        for client, server in pairs:
+            client.close()
+            server.close()
+
+
+def _lane(
+    client: socket.socket, targets: list[bytearray], spans: list[tuple[int, int]] | None = None
+) -> tuple[Any, ...]:
+    count = len(targets)
+    request = [_HEAD.pack(b"KVFT", count), bytes(count)]
+    return (client, request, bytearray(_HEAD.size + count), targets, _HEAD.size, spans)
+
+
+def test_request_reply_lanes_fills_each_lanes_payloads_with_its_crcs_in_one_return(
+    tcp_pairs: list[tuple[socket.socket, socket.socket]],
+) -> None:
+    rng = random.Random(11)
+    lanes, expected, joins = [], [], []
+    for k, (client, server) in enumerate(tcp_pairs):
+        count = 40 + k
+        payloads = [os.urandom(rng.choice([1, 4096, 300_000])) for _ in range(count)]
+        statuses = bytes(rng.choice([0, 0, 0, 2]) for _ in range(count))
+        joins.append(_in_thread(lambda s=server, st=statuses, p=payloads: _serve_once(s, st, p)))
+        targets = [bytearray(b"\xee" * len(p)) for p in payloads]
+        spans = [(0, 7), (7, 7), (7, count)]
+        lanes.append(_lane(client, targets, spans))
+        expected.append((payloads, statuses, targets, spans))
+    before = native.gil_reacquisitions()
+    crcs = native.request_reply_lanes(lanes, time.monotonic() + 30)
+    assert native.gil_reacquisitions() - before == 1
+    for join in joins:
+        join()
+    assert len(crcs) == 3
+    for lane, lane_crcs, (payloads, statuses, targets, spans) in zip(
+        lanes, crcs, expected, strict=True
+    ):
+        assert lane[2][_HEAD.size :] == statuses
+        for target, payload, status in zip(targets, payloads, statuses, strict=True):
+            assert target == (payload if status == 0 else b"\xee" * len(payload))
+        assert lane_crcs == [
+            _crc(b"".join(p for p, s in zip(payloads[a:b], statuses[a:b], strict=True) if s == 0))
+            for a, b in spans
+        ]
+
+
+def test_request_reply_lanes_raises_a_later_lanes_failure_after_the_first_lane_is_done(
+    tcp_pairs: list[tuple[socket.socket, socket.socket]],
+) -> None:
+    """The second lane's peer answers with less than a whole reply and closes: that lane's
+    PeerClosed, with what it received; the first lane's bytes landed meanwhile."""
+    (first, first_server), (second, second_server), _ = tcp_pairs
+    payload = os.urandom(100_000)
+    join_first = _in_thread(lambda: _serve_once(first_server, bytes(1), [payload]))
+
+    def refuse() -> None:
+        native.recv_into_all(second_server, [bytearray(_HEAD.size + 2)], time.monotonic() + 30)
+        second_server.sendall(b"ERR!\x03\x00\x00\x00")
+        second_server.shutdown(socket.SHUT_WR)
+
+    join_second = _in_thread(refuse)
+    target = bytearray(len(payload))
+    second_lane = _lane(second, [bytearray(4), bytearray(4)])
+    with pytest.raises(native.PeerClosed) as caught:
+        native.request_reply_lanes([_lane(first, [target]), second_lane], time.monotonic() + 30)
+    join_first()
+    join_second()
+    assert caught.value.received == 8
+    assert second_lane[2][:8] == b"ERR!\x03\x00\x00\x00"
+    assert target == payload
+
+
+def test_request_reply_lanes_whose_first_lane_fails_ends_the_others_at_once(
+    tcp_pairs: list[tuple[socket.socket, socket.socket]],
+) -> None:
+    """The first lane's peer closes; the second's never answers. The call raises the first
+    lane's error without waiting out the 30 s deadline: the other lanes' sockets are shut
+    down (the caller closes them all after an error)."""
+    (first, first_server), (second, second_server), _ = tcp_pairs
+    first_server.shutdown(socket.SHUT_RDWR)
+    started = time.monotonic()
+    with pytest.raises((native.PeerClosed, ConnectionError)):
+        native.request_reply_lanes(
+            [_lane(first, [bytearray(10)]), _lane(second, [bytearray(10)])],
+            time.monotonic() + 30,
+        )
+    assert time.monotonic() - started < 20  # a bound only a wait for the deadline reaches
+    # The silent lane's socket was shut down: its peer sees the end of the stream (after
+    # the request, if it went out first).
+    second_server.settimeout(10)
+    while second_server.recv(100):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda pairs: [], "1 to 8 lanes"),
+        (lambda pairs: [_lane(pairs[0][0], [])] * 9, "1 to 8 lanes"),
+        (lambda pairs: [_lane(pairs[0][0], []), _lane(pairs[0][0], [])], "share a socket"),
+        (lambda pairs: [_lane(pairs[0][0], []), ("no",)], "lane 1"),
+        (
+            lambda pairs: [
+                _lane(pairs[0][0], []),
+                (pairs[1][0], [], bytearray(2), [bytearray(1)], 8, None),
+            ],
+            "no status byte",
+        ),
+    ],
+    ids=["none", "nine", "one-socket-twice", "not-a-lane", "reply-too-short"],
+)
+def test_request_reply_lanes_refuses_bad_lanes_before_sending_anything(
+    tcp_pairs: list[tuple[socket.socket, socket.socket]],
+    make: Callable[[list[tuple[socket.socket, socket.socket]]], list[Any]],
+    match: str,
+) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        native.request_reply_lanes(make(tcp_pairs), time.monotonic() + 30)
+    for _, server in tcp_pairs:
+        server.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            server.recv(1)
+
+
 _ECHO_PROCESS = """
 import socket, struct, sys
 head = struct.Struct("<4sI")

@@ -37,7 +37,7 @@ from kvfabric.spi import (
 from kvfabric.transports.tcp_client import TcpClient
 from kvfabric.transports.tcp_server import ServerLimits, TcpServer
 from kvfabric.transports.tcp_tls import ca_file, client_context, pem_file, server_context
-from kvfabric.transports.tcp_tuning import parse_send_buffer
+from kvfabric.transports.tcp_tuning import parse_read_lanes, parse_send_buffer
 
 __all__ = ["TcpTransport"]
 
@@ -104,6 +104,13 @@ class TcpTransport(Transport):
             "any other; 0 autotuning always; or a size",
         ),
         OptionSpec(
+            name="read_lanes",
+            parse=parse_read_lanes,
+            default="auto",
+            help="client: connections a read of 8MiB or more to one node moves over at once, "
+            "a receiving thread each (1-8); auto is 2 on a host with 4 CPUs or more, else 1",
+        ),
+        OptionSpec(
             name="tls",
             parse=parse_bool,
             default=False,
@@ -159,6 +166,7 @@ class TcpTransport(Transport):
             tls,
             float(options["busy_poll"]),
             parse_send_buffer(options["send_buffer"]),
+            parse_read_lanes(options["read_lanes"]),
         )
 
 

@@ -3,7 +3,9 @@
 A :class:`~kvfabric.spi.PeerClient` (peer table, segment checks and error mapping are
 inherited). Per node it keeps a few idle connections (``tcp.pool``, default 8), so
 concurrent calls do not serialize and the handshake is paid per connection, not per call.
-A batch of more than ``MAX_COUNT`` segments goes as several frames on one connection.
+A batch of more than ``MAX_COUNT`` segments goes as several frames on one connection. A
+read of at least ``READ_LANE_MIN`` bytes goes as one frame per lane (``tcp.read_lanes``)
+on as many connections at once, in one native call (``request_reply_lanes``).
 
 Over plain tcp a frame is one native call (``kvfabric.spi.request_reply``): the request
 (a write's payloads in it), the reply's status table, then a read's accepted payloads,
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import hmac
+import itertools
 import socket
 import ssl
 import threading
@@ -57,7 +60,14 @@ from kvfabric.transports.tcp_auth import (
     server_proof,
     unpack_greeting,
 )
-from kvfabric.transports.tcp_stream import HOLD_GIL, PeerClosed, Stream, TlsStream
+from kvfabric.transports.tcp_stream import (
+    HOLD_GIL,
+    Lane,
+    PeerClosed,
+    Stream,
+    TlsStream,
+    exchange_lanes,
+)
 from kvfabric.transports.tcp_tuning import AUTO, tune
 from kvfabric.transports.tcp_wire import (
     ENTRY,
@@ -75,6 +85,11 @@ __all__ = ["TcpClient"]
 _OK = SegmentStatus.OK
 _MAX_STATUS = max(SegmentStatus)
 T = TypeVar("T")
+
+READ_LANE_MIN = 8 << 20
+"""A read of this many bytes or more to one node moves over ``tcp.read_lanes`` connections
+at once; a smaller one goes as one frame on one connection (a lane's thread and connection
+cost more than they save on a small read: the same floor as ``write_lanes``)."""
 
 
 class _Refused(Exception):
@@ -97,6 +112,7 @@ class _Link:
     tls: ssl.SSLContext | None
     busy_poll: float
     send_buffer: int
+    read_lanes: int = 1
 
 
 class _Connection:
@@ -196,13 +212,22 @@ class _Connection:
             if closed.received >= HEADER.size:
                 _check_reply(reply, op, rid, count)
             raise
-        _check_reply(reply, op, rid, count)
-        statuses = bytes(reply[HEADER.size :])
-        # A status the client does not know also made the native call skip that payload:
-        # the stream is out of step, and the connection is closed.
-        if statuses and max(statuses) > _MAX_STATUS:
-            raise ProtocolError("unknown segment status in reply")
-        return statuses, crcs
+        return _statuses(reply, op, rid, count), crcs
+
+    def read_lane(self, frame: _Frame) -> tuple[Lane, int]:
+        """``frame`` as a read for :func:`exchange_lanes`, and its request id."""
+        rid = self._next_id
+        self._next_id += 1
+        count = len(frame.segments)
+        lane = Lane(
+            stream=self.stream,
+            request=[pack_header(Op.READ, 0, count, rid) + frame.table],
+            reply=memoryview(bytearray(HEADER.size + count)),
+            payloads=[seg.buffer for seg in frame.segments],
+            status_offset=HEADER.size,
+            crc_spans=frame.crc_spans,
+        )
+        return lane, rid
 
     def close(self) -> None:
         self.stream.close()
@@ -237,6 +262,17 @@ def _handshake(sock: socket.socket, host: str, link: _Link, deadline: float) -> 
     if not hmac.compare_digest(bytes(reply[HEADER.size :]), expected):
         raise _Refused("the node could not prove it holds the secret (a different secret?)")
     return stream
+
+
+def _statuses(reply: memoryview, op: Op, rid: int, count: int) -> bytes:
+    """The status table of a whole reply to frame ``rid`` (``count`` segments)."""
+    _check_reply(reply, op, rid, count)
+    statuses = bytes(reply[HEADER.size :])
+    # A status the client does not know also made the native call skip that payload:
+    # the stream is out of step, and the connection is closed.
+    if statuses and max(statuses) > _MAX_STATUS:
+        raise ProtocolError("unknown segment status in reply")
+    return statuses
 
 
 def _check_reply(buf: bytearray | memoryview, op: Op, rid: int, count: int) -> None:
@@ -308,10 +344,17 @@ class TcpClient(PeerClient[_Peer]):
         tls: ssl.SSLContext | None,
         busy_poll: float,
         send_buffer: int = AUTO,
+        read_lanes: int = 1,
     ) -> None:
         super().__init__(config)
         self._pool_size = pool
-        self._link = _Link(key=config.token, tls=tls, busy_poll=busy_poll, send_buffer=send_buffer)
+        self._link = _Link(
+            key=config.token,
+            tls=tls,
+            busy_poll=busy_poll,
+            send_buffer=send_buffer,
+            read_lanes=read_lanes,
+        )
 
     def describe(self, endpoint: NodeEndpoint) -> str:
         return f"tcp: node {endpoint.node} at {endpoint.address.decode(errors='replace')}"
@@ -378,12 +421,82 @@ def _call(peer: _Peer, op: Op, batch: Batch) -> None:
         _write_with_trailer(peer, batch)
         return
     spans = batch.crc_spans if op == Op.READ else None
+    if op == Op.READ and peer.link.read_lanes > 1 and peer.link.tls is None:
+        cuts = _lane_cuts(segments, spans, peer.link.read_lanes)
+        if cuts is not None:
+            _read_in_lanes(peer, batch, cuts)
+            return
     bounds, framed = _frame_bounds(len(segments), spans)
     frames = []
     for (start, stop), frame_spans in zip(bounds, framed, strict=True):
         frames.append(_Frame(segments[start:stop], frame_spans))
     statuses, crcs = _exchange(peer, op, frames, batch.deadline)
     if spans is not None and framed[0] is not None:
+        batch.crcs = crcs
+    _refuse(batch, statuses)
+
+
+def _lane_cuts(
+    segments: Sequence[Segment], spans: list[tuple[int, int]] | None, lanes: int
+) -> list[int] | None:
+    """Where a read splits into up to ``lanes`` lanes of about equal bytes: each lane's
+    first segment after the first's, never inside a span (each span's CRC comes from one
+    lane). None for a read under ``READ_LANE_MIN`` bytes, one no cut splits, or one whose
+    lanes would not each fit one frame."""
+    sizes = [seg.buffer.nbytes for seg in segments]
+    total = sum(sizes)
+    if total < READ_LANE_MIN or len(sizes) < 2:
+        return None
+    starts = [a for a, _ in spans] if spans else []
+    cuts: list[int] = []
+    done = 0
+    for cut, size in enumerate(sizes[:-1], start=1):
+        done += size
+        if len(cuts) == lanes - 1 or done * lanes < total * (len(cuts) + 1):
+            continue
+        k = bisect.bisect_right(starts, cut) - 1
+        if spans and k >= 0 and starts[k] < cut < spans[k][1]:
+            continue  # inside a span: the next cut
+        cuts.append(cut)
+    bounds = [0, *cuts, len(sizes)]
+    if not cuts or any(b - a > MAX_COUNT for a, b in itertools.pairwise(bounds)):
+        return None
+    return cuts
+
+
+def _read_in_lanes(peer: _Peer, batch: Batch, cuts: list[int]) -> None:
+    """A large read as one frame per lane, at once, each on a connection of its own: the
+    segments up to the first cut on the first, and so on; one native call."""
+    segments, spans = batch.segments, batch.crc_spans
+    bounds = [0, *cuts, len(segments)]
+    framed: list[list[tuple[int, int]]] = [[] for _ in cuts] + [[]]
+    owner = 0  # the lane of the span at hand
+    for start, stop in spans or ():
+        while stop > bounds[owner + 1]:
+            owner += 1  # spans are in order, and none crosses a cut
+        framed[owner].append((start - bounds[owner], stop - bounds[owner]))
+    frames = [
+        _Frame(segments[a:b], None if spans is None else framed[i])
+        for i, (a, b) in enumerate(itertools.pairwise(bounds))
+    ]
+
+    def run(conns: list[_Connection]) -> tuple[bytes, list[int]]:
+        prepared = [conn.read_lane(f) for conn, f in zip(conns, frames, strict=True)]
+        try:
+            crcs = exchange_lanes([lane for lane, _ in prepared], batch.deadline)
+        except PeerClosed:
+            # A node's error reply is a bare header, then it closes: read what it says.
+            for lane, rid in prepared:
+                if HEADER.unpack_from(lane.reply)[0] == MAGIC:
+                    _check_reply(lane.reply, Op.READ, rid, len(lane.payloads))
+            raise
+        statuses = b"".join(
+            _statuses(lane.reply, Op.READ, rid, len(lane.payloads)) for lane, rid in prepared
+        )
+        return statuses, [crc for lane_crcs in crcs for crc in lane_crcs]
+
+    statuses, crcs = _on_connections(peer, len(frames), run, batch.deadline)
+    if spans is not None:
         batch.crcs = crcs
     _refuse(batch, statuses)
 
@@ -489,6 +602,49 @@ def _on_connection(peer: _Peer, work: Callable[[_Connection], T], deadline: floa
             # are idempotent, so one retry on a fresh connection is safe.
             peer.drop_idle()
     return _run(peer, peer.open(deadline), work)
+
+
+def _on_connections(
+    peer: _Peer, count: int, work: Callable[[list[_Connection]], T], deadline: float
+) -> T:
+    """:func:`_on_connection` for ``work`` that needs ``count`` connections at once."""
+    conns: list[_Connection] = []
+    pooled = False
+    try:
+        while len(conns) < count:
+            conn = peer.take()
+            pooled |= conn is not None
+            conns.append(conn if conn is not None else peer.open(deadline))
+    except BaseException:
+        for conn in conns:
+            peer.give_back(conn)
+        raise
+    if pooled:
+        try:
+            return _run_all(peer, conns, work)
+        except ConnectionError:
+            peer.drop_idle()  # as _on_connection: the node closed them; once more, fresh
+        conns = []
+    try:
+        while len(conns) < count:
+            conns.append(peer.open(deadline))
+    except BaseException:
+        for conn in conns:
+            conn.close()
+        raise
+    return _run_all(peer, conns, work)
+
+
+def _run_all(peer: _Peer, conns: list[_Connection], work: Callable[[list[_Connection]], T]) -> T:
+    try:
+        result = work(conns)
+    except BaseException:
+        for conn in conns:
+            conn.close()  # their stream states are unknown: never reuse them
+        raise
+    for conn in conns:
+        peer.give_back(conn)
+    return result
 
 
 def _run(peer: _Peer, conn: _Connection, work: Callable[[_Connection], T]) -> T:

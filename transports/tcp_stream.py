@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
+import attrs
+
 from kvfabric.spi import (
     IOV_MAX,
     PeerClosed,
@@ -41,11 +43,22 @@ from kvfabric.spi import (
     crc32c_many,
     recv_into_all,
     request_reply,
+    request_reply_lanes,
     send_checksummed,
 )
 from kvfabric.spi import send_all as native_send_all
 
-__all__ = ["HOLD_GIL", "IOV_MAX", "PeerClosed", "Stream", "Target", "TlsStream", "wake"]
+__all__ = [
+    "HOLD_GIL",
+    "IOV_MAX",
+    "Lane",
+    "PeerClosed",
+    "Stream",
+    "Target",
+    "TlsStream",
+    "exchange_lanes",
+    "wake",
+]
 
 # Buffers per native call when a list is built lazily (a 65,536-segment frame): each costs
 # a view and an iovec while the call runs, so a connection holds at most this many.
@@ -221,6 +234,44 @@ class Stream:
             busy_poll=self.busy_poll,
             hold_gil=hold_gil,
         )
+
+
+@attrs.frozen
+class Lane:
+    """One request and its reply, as :meth:`Stream.request_reply` takes them, for
+    :func:`exchange_lanes`."""
+
+    stream: Stream
+    request: Sequence[Any]
+    reply: memoryview
+    payloads: Sequence[memoryview]
+    status_offset: int
+    crc_spans: Spans | None
+
+
+def exchange_lanes(lanes: Sequence[Lane], deadline: float | None) -> list[list[int]]:
+    """Each lane's :meth:`Stream.request_reply` at once, each on its own plain stream, the
+    calling thread running the first and a native helper thread each other, in one release
+    of the GIL (:func:`kvfabric.spi.request_reply_lanes`); each lane's CRCs.
+
+    After an error every lane's stream is in an unknown state: close them all."""
+    if any(lane.stream.tls for lane in lanes):
+        raise ValueError("exchange_lanes: TLS streams move their bytes in Python, one by one")
+    return request_reply_lanes(
+        [
+            (
+                lane.stream.sock,
+                lane.request,
+                lane.reply,
+                lane.payloads,
+                lane.status_offset,
+                lane.crc_spans,
+            )
+            for lane in lanes
+        ],
+        deadline,
+        busy_poll=lanes[0].stream.busy_poll if lanes else 0.0,
+    )
 
 
 class TlsStream(Stream):

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 import attrs
@@ -152,11 +152,17 @@ def segment_for(endpoint: NodeEndpoint, region: int, offset: int, buf: Any) -> S
 
 
 def open_client(
-    transport: str, endpoint: NodeEndpoint, *, timeout: float = 2.0, token: bytes = b""
+    transport: str,
+    endpoint: NodeEndpoint,
+    *,
+    timeout: float = 2.0,
+    token: bytes = b"",
+    options: Mapping[str, str] | None = None,
 ) -> TransportClient:
-    """A client of the named transport, connected to ``endpoint`` (as node 1)."""
+    """A client of the named transport, connected to ``endpoint`` (as node 1); ``options``:
+    the transport's own (``{"pool": "2"}`` for ``tcp.pool=2``)."""
     cls = plugin_manager().transport(transport)
-    config = TransportConfig(timeout=timeout, token=token, options=cls.parse_options({}))
+    config = TransportConfig(timeout=timeout, token=token, options=cls.parse_options(options or {}))
     client = cls.create_client(config)
     client.connect(endpoint)
     return client

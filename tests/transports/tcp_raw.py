@@ -211,11 +211,13 @@ class ScriptedNode:
     """A node on 127.0.0.1 that runs the real handshake (plain, under ``key``), reads each
     READ or WRITE frame whole (a WRITE's payloads too) and sends what ``answer`` returns
     (closing after an error reply, as a node does), for a client's side of replies no real
-    node sends. One connection at a time; counts them."""
+    node sends. One connection at a time (``concurrent``: each on a thread of its own, for
+    a client that uses several at once); counts them."""
 
-    def __init__(self, answer: Answer, key: bytes = b"") -> None:
+    def __init__(self, answer: Answer, key: bytes = b"", *, concurrent: bool = False) -> None:
         self.answer = answer
         self.key = key
+        self.concurrent = concurrent
         self.connections = 0
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}".encode()
@@ -244,8 +246,14 @@ class ScriptedNode:
                 return
             self.connections += 1
             self._conns.append(conn)
-            with conn, contextlib.suppress(OSError, AssertionError):
-                self._serve(conn)
+            if self.concurrent:
+                threading.Thread(target=self._serve_closing, args=(conn,), daemon=True).start()
+            else:
+                self._serve_closing(conn)
+
+    def _serve_closing(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError, AssertionError):
+            self._serve(conn)
 
     def _serve(self, conn: socket.socket) -> None:
         nonce = new_nonce()

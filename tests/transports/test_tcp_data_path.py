@@ -52,8 +52,9 @@ def big_server() -> Iterator[RegionServer]:
 
 @pytest.fixture
 def client(big_server: RegionServer) -> Iterator[TransportClient]:
-    # The timeout bounds a hang, not the machine's speed.
-    client = open_client("tcp", big_server.endpoint, timeout=60.0)
+    # The timeout bounds a hang, not the machine's speed. One lane, whatever the host's
+    # CPUs: these tests count one connection's frames (lanes have tests of their own).
+    client = open_client("tcp", big_server.endpoint, timeout=60.0, options={"read_lanes": "1"})
     # Warm: the pooled connection's handshake (two waits for the node) is paid here.
     assert client.read(1, [segment_for(big_server.endpoint, 0, 0, bytearray(8))]) == [None]
     yield client
@@ -190,7 +191,7 @@ def test_a_store_puts_in_two_lanes_of_at_most_two_returns_and_gets_with_one_over
     name = f"tcp-data-path-{uuid.uuid4().hex[:8]}"
     values = [np.random.default_rng(i).integers(0, 256, _SIZE, dtype=np.uint8) for i in range(16)]
     keys = chain_keys(list(range(16)), 1, namespace=uuid.uuid4().bytes)
-    url = f"embedded://{name}?capacity=160MiB&transport=tcp&timeout=60s"
+    url = f"embedded://{name}?capacity=160MiB&transport=tcp&timeout=60s&tcp.read_lanes=1"
     with kvfabric.connect(url) as store:
         # Warm both lanes' connections: a put of the same shape under other keys.
         other = chain_keys(list(range(16)), 1, namespace=uuid.uuid4().bytes)
@@ -477,3 +478,125 @@ def test_a_pooled_connection_the_node_closed_is_retried_once_on_a_fresh_one(
     assert client.read(1, [_segment(dest)]) == [None]  # closed, then retried
     assert dest == b"\x5a" * len(dest)
     assert node.connections == 2
+
+
+# -- a large read over several connections at once (tcp.read_lanes) ---------------------------
+
+
+def test_a_64_by_4mib_read_in_two_lanes_lands_every_byte_and_crc_with_one_return(
+    big_server: RegionServer, blobs: list[bytes]
+) -> None:
+    """``tcp.read_lanes=2``: the read goes as two frames at once on two connections, in one
+    native call; each record's CRC comes from the lane that landed it."""
+    endpoint = big_server.endpoint
+    client = open_client("tcp", endpoint, timeout=60.0, options={"read_lanes": "2"})
+    try:
+        writes = [_place(endpoint, i, b) for i, b in enumerate(blobs)]
+        assert client.write(1, writes) == [None] * _COUNT
+        dests = [bytearray(_SIZE) for _ in range(_COUNT)]
+        # Spans of three records (and one of none), so a cut could fall inside a span.
+        spans = [(i, min(i + 3, _COUNT)) for i in range(0, _COUNT, 3)] + [(_COUNT, _COUNT)]
+        reads = [_place(endpoint, i, d) for i, d in enumerate(dests)]
+        # Both lanes' connections opened (a handshake waits for the node twice) and pooled.
+        assert client.read(1, reads) == [None] * _COUNT
+        for dest in dests:
+            dest[:] = bytes(_SIZE)
+        (errors, crcs), returns, seconds = _returns(
+            lambda: client.read_checksummed(1, reads, spans)
+        )
+        print(f"\nread in two lanes: {_COUNT * _SIZE / seconds / 1e9:.2f} GB/s")
+        assert returns == 1
+        assert errors == [None] * _COUNT
+        assert dests == [bytearray(b) for b in blobs]
+        assert crcs == crc32c_many([b"".join(blobs[a:b]) for a, b in spans])
+    finally:
+        client.close()
+
+
+def _lanes_node(answer: Callable[..., bytes | None]) -> tuple[ScriptedNode, TransportClient]:
+    node = ScriptedNode(answer, concurrent=True)
+    endpoint = NodeEndpoint(node=1, transport="tcp", address=node.address, regions=(_REGION,))
+    return node, open_client("tcp", endpoint, timeout=10.0, options={"read_lanes": "2"})
+
+
+def _halves() -> tuple[list[bytearray], list[Segment]]:
+    """Two reads of 8 MiB: a read of 16 MiB, split between them."""
+    dests = [bytearray(8 * _MIB), bytearray(8 * _MIB)]
+    return dests, [_segment(dests[0]), _segment(dests[1], 8 * _MIB)]
+
+
+def test_a_read_in_lanes_uses_two_connections_and_pools_both() -> None:
+    node, client = _lanes_node(_correct)
+    try:
+        for _ in range(2):
+            dests, reads = _halves()
+            assert client.read(1, reads) == [None, None]
+            assert dests == [b"\x5a" * (8 * _MIB)] * 2
+        assert node.connections == 2
+        small = bytearray(1000)  # under READ_LANE_MIN: one frame, on a pooled connection
+        assert client.read(1, [_segment(small)]) == [None]
+        assert node.connections == 2
+    finally:
+        client.close()
+        node.close()
+
+
+def test_an_error_reply_on_one_lane_refuses_the_read_and_closes_both_connections() -> None:
+    served = [0]
+
+    def answer(op: int, count: int, rid: int, table: bytes) -> bytes:
+        served[0] += 1
+        if served[0] == 4:  # one of the second read's frames
+            return _reply(op, 0, 0, b"", code=Code.TOO_LARGE)
+        return _correct(op, count, rid, table)
+
+    node, client = _lanes_node(answer)
+    try:
+        assert client.read(1, _halves()[1]) == [None, None]
+        with pytest.raises(TransportError, match="refused: batch too large"):
+            client.read(1, _halves()[1])
+        dests, reads = _halves()
+        assert client.read(1, reads) == [None, None]
+        assert dests == [b"\x5a" * (8 * _MIB)] * 2
+        assert node.connections == 4  # neither connection of the failed read was reused
+    finally:
+        client.close()
+        node.close()
+
+
+def test_pooled_lanes_the_node_closed_are_retried_once_on_fresh_connections() -> None:
+    served = [0]
+
+    def answer(op: int, count: int, rid: int, table: bytes) -> bytes | None:
+        served[0] += 1
+        return None if served[0] == 3 else _correct(op, count, rid, table)
+
+    node, client = _lanes_node(answer)
+    try:
+        assert client.read(1, _halves()[1]) == [None, None]
+        dests, reads = _halves()
+        assert client.read(1, reads) == [None, None]  # one lane closed, then both retried
+        assert dests == [b"\x5a" * (8 * _MIB)] * 2
+        assert node.connections == 4
+    finally:
+        client.close()
+        node.close()
+
+
+def test_a_refused_segment_in_one_lane_is_refused_alone() -> None:
+    def answer(op: int, count: int, rid: int, table: bytes) -> bytes:
+        entries = list(ENTRY.iter_unpack(table))
+        if entries[0][2] == 0:
+            return _correct(op, count, rid, table)
+        return _reply(op, count, rid, bytes([2] * count))  # bad rkey
+
+    node, client = _lanes_node(answer)
+    try:
+        dests, reads = _halves()
+        errors = client.read(1, reads)
+        assert errors[0] is None
+        assert "bad rkey" in str(errors[1])
+        assert dests == [b"\x5a" * (8 * _MIB), bytes(8 * _MIB)]
+    finally:
+        client.close()
+        node.close()

@@ -469,7 +469,7 @@ def _read_in_lanes(peer: _Peer, batch: Batch, cuts: list[int]) -> None:
     segments up to the first cut on the first, and so on; one native call."""
     segments, spans = batch.segments, batch.crc_spans
     bounds = [0, *cuts, len(segments)]
-    framed: list[list[tuple[int, int]]] = [[] for _ in cuts] + [[]]
+    framed: list[list[tuple[int, int]]] = [[] for _ in range(len(cuts) + 1)]
     owner = 0  # the lane of the span at hand
     for start, stop in spans or ():
         while stop > bounds[owner + 1]:

@@ -64,6 +64,20 @@ def request_reply(
     busy_poll: float = 0.0,
     hold_gil: float = 0.0,
 ) -> list[int]: ...
+def request_reply_lanes(
+    lanes: Sequence[
+        tuple[
+            FileDescriptorLike,
+            Sequence[ReadableBuffer],
+            WriteableBuffer,
+            Sequence[WriteableBuffer],
+            int,
+            Sequence[tuple[int, int]] | None,
+        ]
+    ],
+    deadline: float | None,
+    busy_poll: float = 0.0,
+) -> list[list[int]]: ...
 def gil_reacquisitions() -> int: ...
 def gil_handoffs() -> int: ...
 

@@ -1291,7 +1291,8 @@ static PyObject *py_request_reply(PyObject *self, PyObject *args, PyObject *kwar
 /* request_reply_lanes: several exchanges at once, each on its own connection, one on the
    calling thread and each other on a helper thread; the GIL is released once for them all.
    Over loopback a node's reply is paced by its sending thread (which also runs the
-   kernel's receive path): two connections moved 64 x 4 MiB 1.1-2x faster than one. */
+   kernel's receive path): two connections moved a 256 MiB stream at 4.75-5.15 GB/s
+   against 3.3-3.5 on one, on this project's 2-core VM. */
 #define LANES_MAX 8
 
 static void *run_lane(void *lane) {

@@ -64,17 +64,19 @@ def request_reply(
     busy_poll: float = 0.0,
     hold_gil: float = 0.0,
 ) -> list[int]: ...
+
+# One lane of request_reply_lanes: fd, request, reply, payloads, status_offset, crc_spans.
+LaneArgs = tuple[
+    FileDescriptorLike,
+    Sequence[ReadableBuffer],
+    WriteableBuffer,
+    Sequence[WriteableBuffer],
+    int,
+    Sequence[tuple[int, int]] | None,
+]
+
 def request_reply_lanes(
-    lanes: Sequence[
-        tuple[
-            FileDescriptorLike,
-            Sequence[ReadableBuffer],
-            WriteableBuffer,
-            Sequence[WriteableBuffer],
-            int,
-            Sequence[tuple[int, int]] | None,
-        ]
-    ],
+    lanes: Sequence[LaneArgs],
     deadline: float | None,
     busy_poll: float = 0.0,
 ) -> list[list[int]]: ...

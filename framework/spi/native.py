@@ -48,6 +48,8 @@ except ImportError as exc:  # pragma: no cover - a broken install
 if TYPE_CHECKING:
     from _typeshed import FileDescriptorLike, ReadableBuffer, WriteableBuffer
 
+    from kvfabric.spi._native import LaneArgs
+
 __all__ = [
     "GIL_RELEASE_MIN",
     "HARDWARE_CRC32C",
@@ -347,16 +349,7 @@ def request_reply(
 
 
 def request_reply_lanes(
-    lanes: Sequence[
-        tuple[
-            FileDescriptorLike,
-            Sequence[ReadableBuffer],
-            WriteableBuffer,
-            Sequence[WriteableBuffer],
-            int,
-            Spans | None,
-        ]
-    ],
+    lanes: Sequence[LaneArgs],
     deadline: float | None,
     *,
     busy_poll: float = 0.0,

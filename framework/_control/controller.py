@@ -168,6 +168,9 @@ class Controller:
                     reply = self._reply_to(frames)
                     if reply is not None:
                         sock.send_multipart([frames[0], reply])
+                # Every request answered: upkeep the replies need not wait for (a full
+                # store's eviction ahead of need, while the writer that leased writes).
+                self.index.idle()
             if time.monotonic() >= next_tick:
                 self._maintain()
                 next_tick = time.monotonic() + self.tick

@@ -239,6 +239,12 @@ class MemoryIndex(IndexPlugin):
         # records from before the restart may still carry.
         self._next_version = time.time_ns()
         self._counters = dict.fromkeys(_COUNTERS, 0)
+        # Eviction ahead of need (_keep_headroom) after a grant: done in the grant's call,
+        # until an owner calls idle(); from then on left to it, off the grant's reply.
+        self._idle_owner = False
+        self._headroom_owed = False
+        self._evictions_unreported = 0
+        """Evictions idle() made, for the next grant's result to report."""
         # Kept from the start, served or not: it answers lookups by RPC in C too (see
         # lookup_copies), and its pages exist only once written.
         self._image: MemoryImage | NoImage = NoImage()
@@ -548,14 +554,15 @@ class MemoryIndex(IndexPlugin):
             self._expire_leases(now)
             self._release_retired(now)
             evictions_before = self._counters["evictions"]
+            self._settle_headroom(now)
             # Region sizes do not change while the lock is held: the largest record any
             # region taking grants could hold, once per call rather than per key.
             largest = max((s.size for s in self._regions.values() if s.restored is None), default=0)
             out = [self._allocate_one(req, now, largest) for req in requests]
-            self._keep_headroom(now)
+            self._headroom_after_grants(now)
             return AllocateResult(
                 allocations=tuple(out),
-                evictions=self._counters["evictions"] - evictions_before,
+                evictions=self._evictions_to_report(evictions_before),
                 lease=self._lease,
             )
 
@@ -743,6 +750,7 @@ class MemoryIndex(IndexPlugin):
                 return []
             want = max(need, min(_aligned(want), _aligned(int(sum(granting) * _EXTENT_SHARE))))
             evictions_before = self._counters["evictions"]
+            self._settle_headroom(now)
             nodes = set(exclude)
             out: list[Extent] = []
             for _ in range(count):
@@ -751,10 +759,11 @@ class MemoryIndex(IndexPlugin):
                     break
                 nodes.add(extent.node)
                 out.append(extent)
-            self._keep_headroom(now)
-            evictions = self._counters["evictions"] - evictions_before
-            if out and evictions:
-                out[0] = attrs.evolve(out[0], evictions=evictions)
+            self._headroom_after_grants(now)
+            if out:
+                evictions = self._evictions_to_report(evictions_before)
+                if evictions:
+                    out[0] = attrs.evolve(out[0], evictions=evictions)
             return out
 
     def _lease_one(self, need: int, want: int, exclude: set[int], now: float) -> Extent | None:
@@ -1064,6 +1073,41 @@ class MemoryIndex(IndexPlugin):
             entry = self._entries.get(key)
             if entry is not None and entry.state is _State.PUBLISHED and entry.last_use < when:
                 self._touch(key, entry, when)
+
+    def idle(self) -> None:
+        """Evict ahead of need now if a grant left it owed (see :meth:`_keep_headroom`).
+
+        From an owner's first call on, a grant leaves that eviction to this, so the grant's
+        reply does not wait for it: in a full store it was ~1 ms of a 1.1 ms extent lease
+        (64 evictions), measured here in-process.
+        """
+        with self._lock:
+            self._idle_owner = True
+            if not self._headroom_owed:
+                return
+            before = self._counters["evictions"]
+            self._settle_headroom(self._clock())
+            self._evictions_unreported += self._counters["evictions"] - before
+
+    def _headroom_after_grants(self, now: float) -> None:
+        if self._idle_owner:
+            self._headroom_owed = True
+        else:
+            self._keep_headroom(now)
+
+    def _settle_headroom(self, now: float) -> None:
+        """What idle() has not done yet is done first: the headroom never lags more than
+        one grant behind, whether or not the owner calls it."""
+        if self._headroom_owed:
+            self._headroom_owed = False
+            self._keep_headroom(now)
+
+    def _evictions_to_report(self, before: int) -> int:
+        """Evictions this call made (since ``before``), and those idle() made since the
+        last report: each eviction is reported to some writer once."""
+        reported = self._counters["evictions"] - before + self._evictions_unreported
+        self._evictions_unreported = 0
+        return reported
 
     def _keep_headroom(self, now: float) -> None:
         """Evict ahead of need until free and retired space make the headroom.

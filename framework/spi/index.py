@@ -500,6 +500,13 @@ class IndexPlugin(Plugin, Index):
     def tick(self) -> None:
         """Periodic upkeep (lease expiry, retired slots); the owner calls it every ~0.25 s."""
 
+    def idle(self) -> None:
+        """Upkeep that can wait for a quiet moment. An owner that serves requests (a
+        controller) calls it whenever it has answered every request waiting; an index may
+        then leave such work to it rather than do it before a reply (the memory index
+        evicts ahead of need here once an owner has called it). Never required: an owner
+        that does not call it keeps every call as it was."""
+
     def lookup_image(self) -> Region | None:
         """The index's lookup image (:mod:`kvfabric.spi.image`), kept up to date from this
         call on; None when the index keeps none. A controller that serves the image asks

@@ -213,6 +213,64 @@ def test_headroom_for_a_many_key_put_is_made_in_one_ranked_pass(
     assert stats["free_bytes"] + stats["retired_bytes"] >= 10 * size
 
 
+def _half_full_for_extents(headroom: float = 0.5) -> tuple[MemoryIndex, int]:
+    """An index of 20 records' room holding 10 (exactly its headroom), and a record's size."""
+    size = record_size(1000)
+    index, _ = _index(capacity=20 * size, headroom=headroom)
+    _put(index, *(_key(i) for i in range(10)))
+    return index, size
+
+
+def test_once_an_owner_calls_idle_a_lease_leaves_eviction_ahead_of_need_to_it() -> None:
+    """The eviction a lease owes the headroom waits for idle(): the lease's reply does not
+    wait for it, and the next lease reports it (each eviction reported once)."""
+    index, size = _half_full_for_extents()
+    index.idle()  # an owner that calls it: a controller between requests
+    extents = index.lease_extents(4 * size, 4 * size, 1)
+    assert [e.size for e in extents] == [4 * size]
+    assert (index.stats()["evictions"], extents[0].evictions) == (0, 0)  # owed, not done
+    index.idle()
+    assert index.stats()["evictions"] == 4
+    stats = index.stats()
+    assert stats["free_bytes"] + stats["retired_bytes"] >= 10 * size
+    assert index.lease_extents(size, size, 1)[0].evictions == 4  # idle()'s, reported once
+    index.idle()
+    assert index.lease_extents(size, size, 1)[0].evictions == 1  # only the last idle()'s
+
+
+def test_without_idle_a_lease_evicts_ahead_of_need_before_it_returns() -> None:
+    index, size = _half_full_for_extents()
+    extents = index.lease_extents(4 * size, 4 * size, 1)
+    assert (index.stats()["evictions"], extents[0].evictions) == (4, 4)
+
+
+def test_an_owed_eviction_is_made_by_the_next_grant_if_idle_has_not_come() -> None:
+    """The headroom lags at most one grant: two leases with no idle() between them (two
+    requests queued at once) and the second makes what the first owed first."""
+    index, size = _half_full_for_extents()
+    index.idle()
+    index.lease_extents(4 * size, 4 * size, 1)
+    second = index.lease_extents(2 * size, 2 * size, 1)
+    assert index.stats()["evictions"] == 4  # the first lease's, made by the second
+    assert second[0].evictions == 4
+    index.idle()  # the second's: two more
+    assert index.stats()["evictions"] == 6
+
+
+def test_an_allocate_defers_eviction_to_idle_as_a_lease_does() -> None:
+    index, _ = _half_full_for_extents()
+    index.idle()
+    result = index.allocate([AllocationRequest(key=_key(100 + i), length=1000) for i in range(3)])
+    assert [a.kind for a in result.allocations] == [AllocationKind.GRANTED] * 3
+    assert (index.stats()["evictions"], result.evictions) == (0, 0)
+    index.idle()
+    assert index.stats()["evictions"] == 3
+    again = index.allocate([AllocationRequest(key=_key(200), length=1000)])
+    assert again.evictions == 3  # idle()'s three; its own eviction is owed to the next idle()
+    index.idle()
+    assert index.stats()["evictions"] == 4
+
+
 def test_churn_within_the_grace_reuses_retired_slots_pricing_one_window_per_put(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -760,10 +760,11 @@ class MemoryIndex(IndexPlugin):
                 nodes.add(extent.node)
                 out.append(extent)
             self._headroom_after_grants(now)
-            if out:
-                evictions = self._evictions_to_report(evictions_before)
-                if evictions:
-                    out[0] = attrs.evolve(out[0], evictions=evictions)
+            evictions = self._evictions_to_report(evictions_before)
+            if out and evictions:
+                out[0] = attrs.evolve(out[0], evictions=evictions)
+            elif evictions:
+                self._evictions_unreported = evictions  # no extent to tell: the next grant
             return out
 
     def _lease_one(self, need: int, want: int, exclude: set[int], now: float) -> Extent | None:

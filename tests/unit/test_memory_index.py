@@ -257,6 +257,15 @@ def test_an_owed_eviction_is_made_by_the_next_grant_if_idle_has_not_come() -> No
     assert index.stats()["evictions"] == 6
 
 
+def test_evictions_a_lease_made_without_an_extent_to_carry_them_are_reported_next() -> None:
+    index, size = _half_full_for_extents()
+    index.idle()
+    index.lease_extents(4 * size, 4 * size, 1)  # owes four evictions
+    assert index.lease_extents(size, size, 0) == []  # asks for none: makes the four
+    assert index.stats()["evictions"] == 4
+    assert index.lease_extents(size, size, 1)[0].evictions == 4
+
+
 def test_an_allocate_defers_eviction_to_idle_as_a_lease_does() -> None:
     index, _ = _half_full_for_extents()
     index.idle()

@@ -590,24 +590,16 @@ def _exchange(
 
 
 def _on_connection(peer: _Peer, work: Callable[[_Connection], T], deadline: float) -> T:
-    """``work`` on a pooled connection, or on a fresh one; the connection goes back to the
-    pool after it, or is closed if it raised (its stream state is unknown)."""
-    conn = peer.take()
-    if conn is not None:
-        try:
-            return _run(peer, conn, work)
-        except ConnectionError:
-            # The node closed or reset a pooled connection (it restarted, shut down, or
-            # closed it for idling): its idle siblings may be as stale. Reads and writes
-            # are idempotent, so one retry on a fresh connection is safe.
-            peer.drop_idle()
-    return _run(peer, peer.open(deadline), work)
+    """``work`` on a pooled connection, or on a fresh one: :func:`_on_connections` of one."""
+    return _on_connections(peer, 1, lambda conns: work(conns[0]), deadline)
 
 
 def _on_connections(
     peer: _Peer, count: int, work: Callable[[list[_Connection]], T], deadline: float
 ) -> T:
-    """:func:`_on_connection` for ``work`` that needs ``count`` connections at once."""
+    """``work`` on ``count`` connections at once, pooled ones first, then fresh ones; they go
+    back to the pool after it, or are closed if it raised (their stream states are
+    unknown)."""
     conns: list[_Connection] = []
     pooled = False
     try:
@@ -623,7 +615,10 @@ def _on_connections(
         try:
             return _run_all(peer, conns, work)
         except ConnectionError:
-            peer.drop_idle()  # as _on_connection: the node closed them; once more, fresh
+            # The node closed or reset a pooled connection (it restarted, shut down, or
+            # closed it for idling): its idle siblings may be as stale. Reads and writes
+            # are idempotent, so one retry on fresh connections is safe.
+            peer.drop_idle()
         conns = []
     try:
         while len(conns) < count:
@@ -644,16 +639,6 @@ def _run_all(peer: _Peer, conns: list[_Connection], work: Callable[[list[_Connec
         raise
     for conn in conns:
         peer.give_back(conn)
-    return result
-
-
-def _run(peer: _Peer, conn: _Connection, work: Callable[[_Connection], T]) -> T:
-    try:
-        result = work(conn)
-    except BaseException:
-        conn.close()  # its stream state is unknown: never reuse it
-        raise
-    peer.give_back(conn)
     return result
 
 

@@ -45,6 +45,10 @@ __all__ = ["Controller"]
 
 log = logging.getLogger("kvfabric._control.controller")
 
+UPKEEP_LOG_INTERVAL = 60.0
+"""Seconds between log records of one failing upkeep step of the index's (each failure is
+counted as ``upkeep_errors``)."""
+
 # Requests that serve clients' lookups and writes: what "control RPCs" counts.
 _CLIENT_TYPES = frozenset(
     {
@@ -98,6 +102,8 @@ class Controller:
         self._membership = 0
         self._node_stats: dict[int, dict[str, int]] = {}
         self._counters: Counter[str] = Counter()
+        self._upkeep_logged: dict[str, float] = {}
+        """Upkeep step -> when a failure of it may be logged again."""
         self._stopping = threading.Event()
         self._image_servers = dict(image_servers or {})
         self._image_handles: dict[str, RegionHandle] = {}
@@ -170,7 +176,7 @@ class Controller:
                         sock.send_multipart([frames[0], reply])
                 # Every request answered: upkeep the replies need not wait for (a full
                 # store's eviction ahead of need, while the writer that leased writes).
-                self.index.idle()
+                self._upkeep(self.index.idle, "idle")
             if time.monotonic() >= next_tick:
                 self._maintain()
                 next_tick = time.monotonic() + self.tick
@@ -284,8 +290,28 @@ class Controller:
             MsgType.ERROR, request_id, p.write_error(code, message), self.epoch, self._membership
         )
 
+    def _upkeep(self, step: Callable[[], None], name: str) -> None:
+        """Run one of the index's upkeep steps. Like one bad request, one failing step must
+        never stop the controller: an exception is counted, and logged with its traceback
+        at most once every :data:`UPKEEP_LOG_INTERVAL` per step (a step that fails at every
+        tick would flood the log), and the loop goes on serving."""
+        try:
+            step()
+        except Exception:
+            self._counters["upkeep_errors"] += 1
+            now = time.monotonic()
+            if now >= self._upkeep_logged.get(name, 0.0):
+                self._upkeep_logged[name] = now + UPKEEP_LOG_INTERVAL
+                log.exception(
+                    "controller: the index's %s() failed (%d upkeep failures so far; the "
+                    "next of this step's is logged after %.0f s)",
+                    name,
+                    self._counters["upkeep_errors"],
+                    UPKEEP_LOG_INTERVAL,
+                )
+
     def _maintain(self) -> None:
-        self.index.tick()
+        self._upkeep(self.index.tick, "tick")
         if self._freeze_long_lived:
             self._freeze_gc()
         self._revive_image_servers()

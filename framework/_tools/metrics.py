@@ -65,6 +65,8 @@ _HELP: dict[str, str] = {
     "controller_bad_frames": "Frames the controller could not decode.",
     "controller_refused": "Requests answered with an error reply.",
     "controller_internal_errors": "Requests that failed inside the controller.",
+    "controller_upkeep_errors": "Upkeep calls into the index (tick, idle) that raised "
+    "(logged at most once a minute per step; the controller goes on serving).",
     "controller_nodes_dropped": "Data nodes dropped after missing heartbeats for --node-timeout.",
     # index
     "index_lookups": "Prefix lookups (batched_contains calls that reached the controller).",

@@ -17,7 +17,7 @@ import zmq
 import kvfabric
 from kvfabric import PutOutcome
 from kvfabric._control.client import ControlClient
-from kvfabric._control.remote_index import RemoteIndex
+from kvfabric._control.remote_index import RemoteIndex, fetch_stats
 from kvfabric._wire.protocol import (
     MAGIC,
     PROTOCOL_VERSION,
@@ -282,3 +282,55 @@ def test_stats_are_available_as_prometheus_text_and_json(cluster: Cluster) -> No
     as_json = subprocess.run([*base, "--format", "json"], capture_output=True, text=True)
     scopes = json.loads(as_json.stdout)
     assert scopes["index"]["dedup_hits"] == float(metrics["kvfabric_index_dedup_hits_total"])
+
+
+_FAULTY_UPKEEP = """
+import logging
+from kvfabric._control.controller import Controller
+from kvfabric.indexes.memory import MemoryIndex
+
+class FaultyUpkeep(MemoryIndex):  # a third-party index with a bug in its upkeep
+    def tick(self):
+        raise RuntimeError("tick broke")
+
+    def idle(self):
+        raise RuntimeError("idle broke")
+
+logging.basicConfig(level=logging.WARNING)
+controller = Controller(listen="tcp://127.0.0.1:0", index=FaultyUpkeep(), tick=0.02)
+controller.serve(ready=lambda endpoint: print(endpoint, flush=True))
+"""
+
+
+def test_an_index_whose_upkeep_raises_is_counted_and_logged_and_the_controller_serves_on() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FAULTY_UPKEEP],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        endpoint = proc.stdout.readline().strip()
+        client = ControlClient(endpoint, timeout=5.0)
+        try:
+            requests = 20
+            for _ in range(requests):
+                assert RemoteIndex(client).nodes() == []
+                time.sleep(0.01)  # ticks fail meanwhile too
+            stats = fetch_stats(client)["controller"]
+        finally:
+            client.close()
+        # Each request's reply went out, then idle() raised; every tick raised as well.
+        assert stats.get("node_rpcs", 0) + stats.get("rpcs", 0) >= requests
+        assert stats["upkeep_errors"] > requests
+        assert stats.get("internal_errors", 0) == 0
+        assert proc.poll() is None  # still serving
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    # One log record (with its traceback) per failing step, not one per failure.
+    assert err.count("controller: the index's idle() failed") == 1, err
+    assert err.count("controller: the index's tick() failed") == 1, err
+    assert err.count("RuntimeError: idle broke") == 1
+    assert err.count("RuntimeError: tick broke") == 1

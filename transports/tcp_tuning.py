@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import os
 import socket
 
 from kvfabric.errors import ConfigError
 from kvfabric.spi import parse_size
+from kvfabric.spi.cpus import usable_cpus
 
 __all__ = [
     "AUTO",
@@ -53,21 +53,22 @@ _MAX_SEND_BUFFER = 64 << 20
 
 MAX_READ_LANES = 8
 """The most connections one read may use at once (the native call's limit)."""
-# ``tcp.read_lanes=auto``: two lanes where the process may run on at least this many CPUs.
+# ``tcp.read_lanes=auto``: two lanes where the process can keep at least this many CPUs busy.
 _LANES_MIN_CPUS = 4
 
 
 def parse_read_lanes(text: str | int) -> int:
     """``tcp.read_lanes``: ``auto`` or 1 to :data:`MAX_READ_LANES` connections per large read.
 
-    ``auto`` is 2 where this process may run on at least 4 CPUs, else 1. A second lane is a
-    second receiving thread: over loopback on this project's 2-core VM, 64 x 4 MiB reads ran
-    1.14x faster with it, alone and beside a busy Python thread, but that thread kept 0.63
-    of its counting rate instead of 1.0 (alternated, six pairs): on two cores the lane's
-    gain is CPU taken from the rest of the process.
+    ``auto`` is 2 where this process can keep at least 4 CPUs busy (those it may run on,
+    capped by its cgroups' CPU quota: :func:`kvfabric.spi.cpus.usable_cpus`), else 1. A
+    second lane is a second receiving thread: over loopback on this project's 2-core VM,
+    64 x 4 MiB reads ran 1.14x faster with it, alone and beside a busy Python thread, but
+    that thread kept 0.63 of its counting rate instead of 1.0 (alternated, six pairs): on
+    two cores the lane's gain is CPU taken from the rest of the process.
     """
     if isinstance(text, str) and text.strip().lower() == "auto":
-        return 2 if len(os.sched_getaffinity(0)) >= _LANES_MIN_CPUS else 1
+        return 2 if usable_cpus() >= _LANES_MIN_CPUS else 1
     try:
         lanes = int(text)
     except ValueError:

@@ -689,7 +689,21 @@ class Store:
         need = max(sum(sizes[i] for i in stripe) for stripe in dealt)
         held = pool.take(need, len(dealt), generation)
         if len(held) < len(dealt) and pool.may_lease():
-            held += self._lease(pool, need, len(dealt) - len(held), [h.extent.node for h in held])
+            asked_at = time.monotonic()
+            wanted = len(dealt) - len(held)
+            extents = self._ask(
+                self._index.lease_extents,
+                need,
+                max(4 * need, EXTENT_BYTES),
+                wanted,
+                [h.extent.node for h in held],
+                pool.returning(),
+            )
+            leased = pool.leased(extents or [], asked_at, wanted)
+            self._counters.update(
+                extent_leases=len(leased), evictions=sum(h.extent.evictions for h in leased)
+            )
+            held += leased
         self._learn_nodes({h.extent.node for h in held})
         for h in [h for h in held if not self._records.reaches([h.extent.node])]:
             # On a node this client cannot reach (gone since it was leased): given back.
@@ -724,35 +738,27 @@ class Store:
             return None
         # Nodes whose extent has room for the next put need no other.
         keep = [c.held.extent.node for c in carvings if c.room_after() >= need]
+        want = max(4 * need, EXTENT_BYTES)
+
+        def lease() -> list[HeldExtent]:
+            asked_at = time.monotonic()
+            extents = self._ask(
+                self._index.lease_extents, need, want, len(short), keep, pool.returning()
+            )
+            leased = pool.leased(extents or [], asked_at, len(short))
+            self._counters.update(
+                extent_leases=len(leased),
+                extents_leased_ahead=len(leased),
+                evictions=sum(h.extent.evictions for h in leased),
+            )
+            return leased
+
         with self._lock:
             if self._closed:
                 return None
             if self._lease_pool is None:
                 self._lease_pool = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-lease")
-            return self._lease_pool.submit(self._lease, pool, need, len(short), keep, ahead=True)
-
-    def _lease(
-        self, pool: ExtentPool, need: int, count: int, exclude: list[int], *, ahead: bool = False
-    ) -> list[HeldExtent]:
-        """Up to ``count`` extents of ``need`` bytes or more (asked for as four times that
-        or :data:`EXTENT_BYTES`), none on a node in ``exclude``, in one lease call that also
-        gives back the extents set to go back; ``ahead``: for the next put, not this one."""
-        asked_at = time.monotonic()
-        extents = self._ask(
-            self._index.lease_extents,
-            need,
-            max(4 * need, EXTENT_BYTES),
-            count,
-            exclude,
-            pool.returning(),
-        )
-        leased = pool.leased(extents or [], asked_at, count)
-        self._counters.update(
-            extent_leases=len(leased),
-            extents_leased_ahead=len(leased) if ahead else 0,
-            evictions=sum(h.extent.evictions for h in leased),
-        )
-        return leased
+            return self._lease_pool.submit(lease)
 
     def _write_carved(
         self,

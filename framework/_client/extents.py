@@ -79,7 +79,7 @@ class HeldExtent:
 class Carving:
     """One put's records in an extent; :meth:`done` moves the extent's cursor past them."""
 
-    __slots__ = ("_end", "_next_version", "descriptors", "held", "positions", "size")
+    __slots__ = ("_end", "_next_version", "descriptors", "held", "positions")
 
     def __init__(
         self,
@@ -92,14 +92,8 @@ class Carving:
         self.held = held
         self.descriptors = descriptors
         self.positions = positions
-        self.size = end - held.cursor
-        """Bytes of extent the records take."""
         self._end = end
         self._next_version = next_version
-
-    def room_after(self) -> int:
-        """Bytes of the extent left after these records."""
-        return self.held.extent.end - self._end
 
     def done(self) -> None:
         self.held.cursor = self._end

@@ -41,12 +41,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import attrs
 
-from kvfabric._client.extents import EXTENT_BYTES, Carving, ExtentPool, HeldExtent, stripes
+from kvfabric._client.extents import EXTENT_BYTES, Carving, ExtentPool, stripes
 from kvfabric._client.image_reader import ImageReader, ImageSlot
 from kvfabric._client.prefetch import PrefetchCache
 from kvfabric._client.record_io import RecordIO, value_pieces
@@ -139,7 +139,7 @@ _CARVED_OUTCOME = {
     CarveOutcome.REFUSED: PutOutcome.FAILED,
 }
 # Puts into extents leased from the index: leases, and records written into them.
-_EXTENT_COUNTERS = ("extent_leases", "extents_leased_ahead", "carved_writes")
+_EXTENT_COUNTERS = ("extent_leases", "carved_writes")
 
 
 class Store:
@@ -189,7 +189,6 @@ class Store:
         """The controller serves an image this client could not open (yet)."""
         self._touches = TouchReporter(index.touch, self._counters)
         self._observer_pool: ThreadPoolExecutor | None = None
-        self._lease_pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
         self._membership_stale = True
@@ -649,21 +648,15 @@ class Store:
             )
             if carvings is None:
                 return None
-            ahead = self._lease_ahead(pool, carvings)
-            try:
-                if time.monotonic() >= min(c.held.expires_at for c in carvings):
-                    # Held up (paused, swapped out) for much of a lease: the index may take
-                    # the extent back any moment, so write nothing.
-                    for carving in carvings:
-                        pool.give_up(carving.held)
-                    self._counters.add("late_writes_avoided", len(fresh))
-                    written = [PutOutcome.FAILED] * len(fresh)
-                else:
-                    written = self._write_carved(pool, carvings, [pieces[i] for i in fresh], again)
-            finally:
-                if ahead is not None:
-                    for held in ahead.result():
-                        pool.give_back(held)
+            if time.monotonic() >= min(c.held.expires_at for c in carvings):
+                # Held up (paused, swapped out) for much of a lease: the index may take the
+                # extent back any moment, so write nothing.
+                for carving in carvings:
+                    pool.give_up(carving.held)
+                self._counters.add("late_writes_avoided", len(fresh))
+                written = [PutOutcome.FAILED] * len(fresh)
+            else:
+                written = self._write_carved(pool, carvings, [pieces[i] for i in fresh], again)
             for i, outcome in zip(fresh, written, strict=True):
                 outcomes[i] = outcome
         self._counters.update(
@@ -723,42 +716,6 @@ class Store:
             h.carve([keys[i] for i in stripe], [lengths[i] for i in stripe], stripe)
             for h, stripe in zip(held, dealt, strict=True)
         ]
-
-    def _lease_ahead(
-        self, pool: ExtentPool, carvings: list[Carving]
-    ) -> Future[list[HeldExtent]] | None:
-        """Where this put leaves an extent too full for another like it, the extents the
-        next put will need, leased on a thread of the store's while this put writes (the
-        caller takes the result when its publish is done, so the lease costs this put no
-        wait unless it outlasts the write, and the next put no round trip). None where no
-        extent runs short, or a lease costs no round trip (the index is in this process)."""
-        need = max(c.size for c in carvings)
-        short = [c for c in carvings if c.room_after() < need]
-        if not short or self.local_index is not None or not pool.may_lease():
-            return None
-        # Nodes whose extent has room for the next put need no other.
-        keep = [c.held.extent.node for c in carvings if c.room_after() >= need]
-        want = max(4 * need, EXTENT_BYTES)
-
-        def lease() -> list[HeldExtent]:
-            asked_at = time.monotonic()
-            extents = self._ask(
-                self._index.lease_extents, need, want, len(short), keep, pool.returning()
-            )
-            leased = pool.leased(extents or [], asked_at, len(short))
-            self._counters.update(
-                extent_leases=len(leased),
-                extents_leased_ahead=len(leased),
-                evictions=sum(h.extent.evictions for h in leased),
-            )
-            return leased
-
-        with self._lock:
-            if self._closed:
-                return None
-            if self._lease_pool is None:
-                self._lease_pool = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-lease")
-            return self._lease_pool.submit(lease)
 
     def _write_carved(
         self,
@@ -882,11 +839,9 @@ class Store:
             if self._closed:
                 return
             self._closed = True
-            pools = [self._observer_pool, self._lease_pool]
-            self._observer_pool = self._lease_pool = None
-        for pool in pools:
-            if pool is not None:
-                pool.shutdown(wait=True)
+            pool, self._observer_pool = self._observer_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         held = self._extents.release_all() if self._extents is not None else []
         if held:
             # Their unused part goes back now rather than when their leases run out.

@@ -147,6 +147,27 @@ class RegionSpace:
 
     # -- making room ---------------------------------------------------------------------
 
+    def openable_starts(self, need: int, evictable: Callable[[bytes], bool]) -> list[int]:
+        """Where runs of at least ``need`` bytes start that free slots, retired slots and
+        entries ``evictable`` lets go could make; grants being written and the unused part
+        of leased extents (neither free, retired nor an entry's) break a run. One pass over
+        the region, for when no window around the usual seeds can grow big enough."""
+        if self.restored is not None:
+            return []
+        pieces = self.allocator.free_runs()
+        pieces += [(offset, size) for offset, (size, _) in self.retired.items()]
+        pieces += [(at, size) for at, (key, size) in self.occupants.items() if evictable(key)]
+        pieces.sort()
+        starts: list[int] = []
+        start = end = -1
+        for offset, size in pieces:
+            if offset != end:
+                start = offset  # a gap before it: a new run
+            end = offset + size
+            if end - start >= need and (not starts or starts[-1] != start):
+                starts.append(start)
+        return starts
+
     def plan(
         self, seed: int, need: int, keep_value: Callable[[bytes], float | None]
     ) -> Plan | None:

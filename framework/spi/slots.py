@@ -46,6 +46,10 @@ class SlotAllocator:
         """Start of the free extent ending at ``end`` (-1 if none ends there)."""
         return self._by_end.get(end, -1)
 
+    def free_runs(self) -> list[tuple[int, int]]:
+        """Every free extent, as (offset, size), in no particular order."""
+        return list(self._by_offset.items())
+
     def largest_free(self) -> int:
         return self._sizes[-1] if self._sizes else 0
 

@@ -16,6 +16,8 @@ from kvfabric.keys import fold_key
 from kvfabric.spi.index import (
     AllocationKind,
     AllocationRequest,
+    CarvedRecord,
+    CarveOutcome,
     GrantRef,
     IndexConfig,
     IndexPlugin,
@@ -319,3 +321,64 @@ def test_stats_account_for_every_byte(count: int) -> None:
     assert stats["used_bytes"] == count * record_size(500)
     assert stats["stored_payload_bytes"] == count * 500
     assert stats["used_bytes"] + stats["free_bytes"] == stats["capacity_bytes"]
+
+
+# -- room that eviction cannot make, or makes away from the least recently used -----------
+
+_SLOT = 256 << 10
+_PAYLOAD = _SLOT - record_size(0)  # a record of this payload fills a 256 KiB slot exactly
+
+
+def _fill_extent(index: MemoryIndex, size: int, first_key: int) -> int:
+    """Lease an extent of ``size`` bytes, publish records filling it, return how many."""
+    (extent,) = index.lease_extents(size, size, 1)
+    records = [
+        CarvedRecord(
+            extent=extent.id,
+            key=_key(first_key + n),
+            offset=extent.offset + n * _SLOT,
+            length=_PAYLOAD,
+            version=extent.first_version + n,
+            crc=n,
+        )
+        for n in range(size // _SLOT)
+    ]
+    assert set(index.publish_carved(records)) == {CarveOutcome.STORED}
+    return len(records)
+
+
+def test_a_lease_no_eviction_can_make_room_for_evicts_nothing() -> None:
+    """The middle half of the region leased to a writer: entries on either side, 16 MiB
+    each, so no window of 17 MiB or more can ever be opened. Such a lease or allocate is
+    refused at once and every entry stays (evicting them one by one in search of room
+    emptied a store so and held its controller for 72 s)."""
+    index, _ = _index(capacity=64 << 20)
+    stored = _fill_extent(index, 16 << 20, 0)  # [0, 16 MiB)
+    (writing,) = index.lease_extents(32 << 20, 32 << 20, 1)  # [16, 48 MiB), being written
+    stored += _fill_extent(index, 16 << 20, 1000)  # [48, 64 MiB)
+    assert writing.offset == 16 << 20
+    assert index.lease_extents(17 << 20, 32 << 20, 1) == []
+    (allocation,) = index.allocate([AllocationRequest(key=_key(5000), length=17 << 20)]).allocations
+    assert allocation.kind is AllocationKind.NO_SPACE
+    stats = index.stats()
+    assert (stats["entries"], stats["evictions"], stats["extents"]) == (stored, 0, 1)
+    # Room that can be made still is: a window of 16 MiB on one side.
+    (extent,) = index.lease_extents(16 << 20, 16 << 20, 1)
+    assert extent.evictions == (16 << 20) // _SLOT
+
+
+def test_room_blocked_around_the_oldest_entries_is_made_where_a_window_can_open() -> None:
+    """The oldest entries lie between the region's start and an extent being written: no
+    window around them reaches 24 MiB. The lease evicts a window of newer entries past the
+    extent, exactly its 24 MiB, and keeps every older entry (which evicting the oldest one
+    by one first would all have lost, for nothing)."""
+    index, _ = _index(capacity=64 << 20)
+    old = _fill_extent(index, 16 << 20, 0)  # [0, 16 MiB), used least recently
+    (writing,) = index.lease_extents(16 << 20, 16 << 20, 1)  # [16, 32 MiB)
+    newer = _fill_extent(index, 32 << 20, 1000)  # [32, 64 MiB)
+    assert writing.offset == 16 << 20
+    (extent,) = index.lease_extents(24 << 20, 24 << 20, 1)
+    assert extent.offset == 32 << 20
+    assert extent.evictions == index.stats()["evictions"] == (24 << 20) // _SLOT
+    assert index.stats()["entries"] == old + newer - (24 << 20) // _SLOT
+    assert all(d is not None for d in index.resolve([_key(n) for n in range(old)]))

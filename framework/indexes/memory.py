@@ -1185,7 +1185,7 @@ class MemoryIndex(IndexPlugin):
     def _free_bytes(self) -> int:
         return sum(s.allocator.free_bytes for s in self._regions.values())
 
-    def _evict_one(self, now: float, *, immediate: bool = False) -> bool:
+    def _evict_one(self, now: float) -> bool:
         """Retire the published entry least worth keeping: LRU, weighted by retention."""
         victim: bytes | None = None
         best_score = -1.0
@@ -1195,7 +1195,7 @@ class MemoryIndex(IndexPlugin):
                 victim, best_score = key, score
         if victim is None:
             return False
-        self._remove(victim, self._entries[victim], now, immediate=immediate)
+        self._remove(victim, self._entries[victim], now)
         self._counters["evictions"] += 1
         return True
 

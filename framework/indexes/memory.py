@@ -33,6 +33,7 @@ eviction walks it (:meth:`MemoryIndex._evictable`). No step per key runs in Pyth
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import math
 import threading
@@ -991,10 +992,7 @@ class MemoryIndex(IndexPlugin):
     def _candidate_windows(self, size: int, now: float, exclude: set[int]) -> list[Plan]:
         """Windows that would hold ``size`` bytes on nodes not in ``exclude``; a single one
         when a window evicting nothing exists (none is cheaper)."""
-
-        def keep_value(key: bytes) -> float | None:
-            return self._keep_value(key, now)
-
+        keep_value = functools.partial(self._keep_value, now=now)
         plans: list[Plan] = []
         # A slot reused before its grace ended stays queued until its time comes. Under
         # churn such slots pile up at the head by the thousand (the oldest retired slots are
@@ -1028,9 +1026,7 @@ class MemoryIndex(IndexPlugin):
     def _any_windows(self, size: int, now: float, exclude: set[int]) -> list[Plan]:
         """Windows of ``size`` bytes wherever evictions can open one (up to
         ``_WINDOW_SEEDS`` of them), found in one pass over each region not in ``exclude``."""
-
-        def keep_value(key: bytes) -> float | None:
-            return self._keep_value(key, now)
+        keep_value = functools.partial(self._keep_value, now=now)
 
         def evictable(key: bytes) -> bool:
             return self._entries[key].state is _State.PUBLISHED

@@ -247,7 +247,7 @@ class MemoryIndex(IndexPlugin):
         self._evictions_unreported = 0
         """Evictions idle() made, for the next grant's result to report."""
         # Kept from the start, served or not: it answers lookups by RPC in C too (see
-        # lookup_copies), and its pages exist only once written.
+        # lookup_copies).
         self._image: MemoryImage | NoImage = NoImage()
         if image_size > 0:
             self._image = MemoryImage(image_size)

@@ -9,7 +9,10 @@ this module owns the memory and where each key sits.
 
 The memory is a memfd, like the ``dram`` backend's regions: a client on the same host maps
 it read-only, and the controller registers it with its transport servers like a region.
-Its pages exist only once written, so a large image costs little while the index is small.
+Its pages, and those of the index's use stamps, are faulted in when it is made, as a data
+node's regions are: a fresh shared page traps on its first write, and a publish writes one
+bucket a key at random places, so a fresh index's first puts paid a trap per key (an image
+of 16 MiB: 20-30 ms once, at start, here).
 Keys never move: a key goes into the first free bucket of its window and stays there until
 it leaves (readers rely on it, see the format). A key whose window is full is *spilled*:
 not in the image, counted in its home bucket, so lookups of that home ask the index.
@@ -34,6 +37,7 @@ from kvfabric.spi import (
     image_beat,
     image_store,
     new_rkey,
+    prefault_all,
 )
 from kvfabric.spi.image import IMAGE_HEADER_SIZE, image_exists, image_prefix
 
@@ -79,10 +83,10 @@ class MemoryImage:
         # One byte per bucket: bytearray.find looks for a free one in C.
         self._used = bytearray(self.geometry.buckets + window - 1)
         # When the index's own probes last hit each bucket (its clock's seconds; 0: not since
-        # the bucket's key came in): how lookups tell the index what they used. Anonymous
-        # memory, like the image's: a page exists once a stamp in it is written.
+        # the bucket's key came in): how lookups tell the index what they used.
         self._stamp_pages = mmap.mmap(-1, 8 * len(self._used))
         self._stamps = memoryview(self._stamp_pages).cast("d")
+        prefault_all([self._view, memoryview(self._stamp_pages)])
         self._where: dict[bytes, int] = {}
         self._spilled: dict[bytes, int] = {}
         """Keys with no room in their window -> their home."""

@@ -10,7 +10,6 @@ through ``kvfabric.spi.native.copy_many``, which releases it once for all of the
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvfabric.spi import native
+from kvfabric.spi.cpus import usable_cpus
 
 __all__ = [
     "GIL_FREE_COPY_MIN",
@@ -89,7 +89,9 @@ def prefault_all(views: Sequence[memoryview], *, threads: int | None = None) -> 
     the first write into a fresh page otherwise traps per 4 KiB page, which made the first
     put into a fresh node run at a fraction of the speed of later ones (issue 12). Each
     piece releases the GIL (:func:`kvfabric.spi.native.prefault`). ``threads``: at most this
-    many (default: the CPUs, up to 8).
+    many (default: the CPUs this process may use, its cgroups' CPU quota included, up to 8:
+    :func:`kvfabric.spi.cpus.usable_cpus`; a container limited to 2 CPUs on a large host
+    gains nothing from 8 threads queued on them).
     """
     started = time.monotonic()
     pieces = [
@@ -97,7 +99,7 @@ def prefault_all(views: Sequence[memoryview], *, threads: int | None = None) -> 
         for view in views
         for at in range(0, view.nbytes, _PREFAULT_PIECE)
     ]
-    workers = min(len(pieces), threads or min(os.cpu_count() or 1, _PREFAULT_THREADS))
+    workers = min(len(pieces), threads or min(usable_cpus(), _PREFAULT_THREADS))
     if workers <= 1:
         for piece in pieces:
             native.prefault(piece)

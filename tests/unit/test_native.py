@@ -26,7 +26,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfabric.spi import checksum_pieces, native
+from kvfabric.spi import buffers, checksum_pieces, native
 from kvfabric.testing import BusyThread
 
 SIZES = [0, 1, 7, 8, 9, 63, 64, 255, 256, 767, 768, 769, 8191, 24575, 24576, 24577, 100_003]
@@ -390,6 +390,34 @@ def test_prefault_allocates_every_page_of_shared_memory_and_changes_no_byte(
     finally:
         mapping.close()
         os.close(fd)
+
+
+@pytest.mark.parametrize("cpus", [1, 3])
+def test_prefault_all_uses_no_more_threads_than_the_cpus_the_process_may_use(
+    monkeypatch: pytest.MonkeyPatch, cpus: int
+) -> None:
+    # A container's CPU quota, not the host's CPU count: usable_cpus() says how many.
+    monkeypatch.setattr(buffers, "usable_cpus", lambda: cpus)
+    monkeypatch.setattr(buffers, "_PREFAULT_PIECE", 1 << 16)
+    ran_on: list[str] = []
+    prefault = native.prefault
+
+    def recorded(buffer: memoryview) -> bool:
+        ran_on.append(threading.current_thread().name)
+        return prefault(buffer)
+
+    monkeypatch.setattr(native, "prefault", recorded)
+    mapping = mmap.mmap(-1, 16 * buffers._PREFAULT_PIECE)
+    try:
+        buffers.prefault_all([memoryview(mapping)])
+    finally:
+        mapping.close()
+    assert len(ran_on) == 16
+    if cpus == 1:
+        assert set(ran_on) == {threading.current_thread().name}
+    else:
+        assert len(set(ran_on)) <= cpus
+        assert all(name.startswith("kvfabric-prefault") for name in ran_on)
 
 
 def _kernel_at_least(major: int, minor: int) -> bool:

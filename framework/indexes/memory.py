@@ -181,7 +181,8 @@ class MemoryIndex(IndexPlugin):
             help="size of the lookup image (clients read it one-sided where the controller "
             "serves it, and the index answers lookups by RPC from it) "
             "(a power of two of 64-byte buckets; it answers best up to a quarter full, ~1 "
-            "entry per 256 bytes, and keys past that fall back to RPC; 0: keep none)",
+            "entry per 256 bytes, and keys past that fall back to RPC; its memory is all "
+            "allocated at start, as a data node's regions are; 0: keep none)",
         ),
     )
 

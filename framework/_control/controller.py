@@ -216,10 +216,13 @@ class Controller:
         local = "shm" in self._image_servers and region.path is not None
         st = os.stat(region.path) if local and region.path else None
         geometry = ImageGeometry.from_header(region.view)
+        # An index that prepares the image's memory at start says how long it took.
+        prepared_ms = self.index.stats().get("image_prefault_ms")
         log.info(
-            "lookup image: %d buckets (%d bytes) over %s",
+            "lookup image: %d buckets (%d bytes%s) over %s",
             geometry.buckets,
             region.size,
+            "" if prepared_ms is None else f", memory prepared in {prepared_ms / 1000:.2f}s",
             ", ".join(f"{e.transport} at {e.address.decode(errors='replace')}" for e in endpoints)
             or "nothing",
         )

@@ -53,6 +53,10 @@ _GAUGES = frozenset(
         "shards",
         "replicas",
         "prefault_ms",
+        "image_entries",
+        "image_spilled",
+        "image_buckets",
+        "image_prefault_ms",
     }
 )
 _SHARD = re.compile(r"^shard\d+_")
@@ -100,6 +104,12 @@ _HELP: dict[str, str] = {
     "index_retired_bytes": "Bytes freed and waiting out --grace before reuse.",
     "index_used_bytes": "Bytes in slots holding records (headers and alignment included).",
     "index_stored_payload_bytes": "Payload bytes of the records stored.",
+    "index_image_entries": "Records in the lookup image (clients look them up one-sided).",
+    "index_image_spilled": "Records with no room in their window of the lookup image (their "
+    "lookups go by RPC).",
+    "index_image_buckets": "Buckets of the lookup image.",
+    "index_image_prefault_ms": "Milliseconds the index took at start to prepare the lookup "
+    "image's memory.",
     # node
     "node_capacity_bytes": "Bytes of this node's regions.",
     "node_regions": "Regions this node serves.",

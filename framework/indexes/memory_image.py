@@ -86,7 +86,7 @@ class MemoryImage:
         # the bucket's key came in): how lookups tell the index what they used.
         self._stamp_pages = mmap.mmap(-1, 8 * len(self._used))
         self._stamps = memoryview(self._stamp_pages).cast("d")
-        prefault_all([self._view, memoryview(self._stamp_pages)])
+        self.prefault_seconds = prefault_all([self._view, memoryview(self._stamp_pages)])
         self._where: dict[bytes, int] = {}
         self._spilled: dict[bytes, int] = {}
         """Keys with no room in their window -> their home."""
@@ -190,6 +190,7 @@ class MemoryImage:
             "image_entries": len(self._where),
             "image_spilled": len(self._spilled),
             "image_buckets": self.geometry.buckets,
+            "image_prefault_ms": round(self.prefault_seconds * 1000),
         }
 
     def close(self) -> None:

@@ -75,6 +75,10 @@ def test_the_endpoints_have_help_and_type_lines_and_type_levels_as_gauges(
     assert types["kvfabric_index_entries"] == "gauge"
     assert types["kvfabric_index_capacity_bytes"] == "gauge"
     assert types["kvfabric_index_used_bytes"] == "gauge"
+    # The lookup image's levels rise and fall: gauges, with help of their own.
+    for level in ("entries", "spilled", "buckets", "prefault_ms"):
+        assert types[f"kvfabric_index_image_{level}"] == "gauge"
+    assert "# HELP kvfabric_index_image_prefault_ms Milliseconds the index took" in text
     # prometheus-client names a counter family by its samples' `_total` name.
     assert types["kvfabric_index_prefix_hits_total"] == "counter"
     assert types["kvfabric_controller_rpcs_total"] == "counter"

@@ -151,9 +151,6 @@ def test_an_image_size_of_zero_keeps_no_image() -> None:
     assert MemoryIndex(image_size=0).lookup_image() is None
 
 
-# -- what a probe may conclude ----------------------------------------------------------------
-
-
 def _resident_bytes(buffer: mmap.mmap) -> int:
     """How much of the mapping holding ``buffer`` is resident (``Rss`` in smaps)."""
     address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
@@ -178,6 +175,9 @@ def test_the_image_and_its_use_stamps_are_resident_from_the_start() -> None:
         assert _resident_bytes(image._stamp_pages) >= len(image._stamp_pages)
     finally:
         image.close()
+
+
+# -- what a probe may conclude ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("damage", ["flipped field", "odd sequence", "stale check"])

@@ -5,15 +5,17 @@ from _typeshed import FileDescriptorLike, ReadableBuffer, WriteableBuffer
 
 GIL_RELEASE_MIN: int
 IOV_MAX: int
-HARDWARE_CRC32C: bool
-WIDE_COPY_CRC32C: bool
+CRC32C_PASS: str
+CRC32C_PASSES: tuple[str, ...]
 
 class PeerClosed(ConnectionError):
     received: int
 
 def crc32c(data: ReadableBuffer, value: int = 0, /) -> int: ...
-def crc32c_portable(data: ReadableBuffer, value: int = 0, /) -> int: ...
-def copy_crc32c_narrow(dest: WriteableBuffer, src: ReadableBuffer, value: int = 0, /) -> int: ...
+def crc32c_with(pass_name: str, data: ReadableBuffer, value: int = 0, /) -> int: ...
+def copy_crc32c_with(
+    pass_name: str, dest: WriteableBuffer, src: ReadableBuffer, value: int = 0, /
+) -> int: ...
 def pack_headers(
     keys: Sequence[bytes], versions: Sequence[int], lengths: Sequence[int], crcs: Sequence[int], /
 ) -> bytes: ...

@@ -29,7 +29,12 @@ from hypothesis import strategies as st
 from kvfabric.spi import buffers, checksum_pieces, native
 from kvfabric.testing import BusyThread
 
-SIZES = [0, 1, 7, 8, 9, 63, 64, 255, 256, 767, 768, 769, 8191, 24575, 24576, 24577, 100_003]
+# Around the edges of each pass's loops: 8-byte words, 64-byte lanes, 256-byte folds, the
+# three streams' 256-byte and 8 KiB blocks.
+SIZES = [
+    *(0, 1, 7, 8, 9, 63, 64, 255, 256, 319, 320, 511, 512, 513, 575, 767, 768, 769),
+    *(8191, 24575, 24576, 24577, 100_003),
+]
 DATA = np.random.default_rng(12).bytes(1 << 21)
 
 
@@ -37,23 +42,64 @@ def _crc(data: Any, value: int = 0) -> int:
     return int(crc32c_package.crc32c(data, value))
 
 
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+# Every pass, each checked where this CPU runs it (a CPU that runs one runs those before it).
+PASSES = [
+    pytest.param(
+        name,
+        id=name,
+        marks=pytest.mark.skipif(
+            name not in native.CRC32C_PASSES, reason=f"this CPU cannot run the {name!r} pass"
+        ),
+    )
+    for name in ("table", "narrow", "wide", "fold")
+]
+
+
 # -- CRC32C -------------------------------------------------------------------------------
 
 
+def test_the_pass_taken_is_the_fastest_this_cpu_runs() -> None:
+    flags = _cpu_flags()
+    if {"avx512f", "avx512vl", "vpclmulqdq", "pclmulqdq"} <= flags:
+        expected = "fold"
+    elif {"avx2", "sse4_2"} <= flags:
+        expected = "wide"
+    elif "sse4_2" in flags:
+        expected = "narrow"
+    else:
+        expected = "table"
+    assert expected == native.CRC32C_PASS
+    assert native.CRC32C_PASSES[-1] == expected
+    with pytest.raises(ValueError, match="no pass 'avx9'"):
+        native.crc32c_with("avx9", b"abc")
+
+
+@pytest.mark.parametrize("pass_name", PASSES)
 @pytest.mark.parametrize("size", SIZES)
-def test_crc32c_equals_the_crc32c_package_at_every_alignment_and_continuation(size: int) -> None:
+def test_crc32c_equals_the_crc32c_package_at_every_alignment_and_continuation(
+    pass_name: str, size: int
+) -> None:
     for offset in range(9):
         piece = memoryview(DATA)[offset : offset + size]
         for value in (0, 1, 0xFFFFFFFF, 0x12345678):
             expected = _crc(piece, value)
-            assert native.crc32c(piece, value) == expected
-            # The portable table, used where the CPU has no CRC32 instruction.
-            assert native.crc32c_portable(piece, value) == expected
+            assert native.crc32c_with(pass_name, piece, value) == expected
+            if pass_name == native.CRC32C_PASS:
+                assert native.crc32c(piece, value) == expected
 
 
-def test_crc32c_of_a_large_buffer_equals_the_package_and_the_table() -> None:
+@pytest.mark.parametrize("pass_name", PASSES)
+def test_crc32c_of_a_large_buffer_equals_the_package(pass_name: str) -> None:
     big = memoryview(DATA)[3:]
-    assert native.crc32c(big) == _crc(big) == native.crc32c_portable(big)
+    assert native.crc32c_with(pass_name, big) == native.crc32c(big) == _crc(big)
 
 
 def test_crc32c_continues_across_a_split() -> None:
@@ -204,21 +250,27 @@ def test_copy_many_refuses_spans_out_of_order_overlapping_or_out_of_range(
     assert dest == bytearray(1)
 
 
-def _copy_wide(dest: Any, source: Any, crc_of_source: bool) -> int:
+def _copy_many(dest: Any, source: Any, crc_of_source: bool) -> int:
     [crc] = native.copy_many([(dest, source)], [(0, 1)], crc_of_source=crc_of_source)
     return crc
 
 
-def _copy_narrow(dest: Any, source: Any, crc_of_source: bool) -> int:
-    # One pass either way: the CRC is of the words stored, which are the source's.
-    return native.copy_crc32c_narrow(dest, source)
+def _copy_through(pass_name: str) -> Callable[[Any, Any, bool], int]:
+    def copy(dest: Any, source: Any, crc_of_source: bool) -> int:
+        # One pass either way: the CRC is of the words stored, which are the source's.
+        return native.copy_crc32c_with(pass_name, dest, source)
+
+    return copy
 
 
-# copy_many's own pass (32-byte stores where the CPU has AVX2), and the 8-byte pass CPUs
-# without AVX2 take, which this machine can run too.
+# copy_many's own pass (CRC32C_PASS), and every pass a CPU with fewer features takes, each
+# where this machine can run it.
 COPY_PASSES = [
-    pytest.param(_copy_wide, id="copy_many"),
-    pytest.param(_copy_narrow, id="narrow"),
+    pytest.param(_copy_many, id="copy_many"),
+    *(
+        pytest.param(_copy_through(param.values[0]), id=param.id, marks=param.marks)
+        for param in PASSES
+    ),
 ]
 
 
@@ -229,8 +281,8 @@ def test_copy_many_checksums_every_byte_at_every_alignment(
     copy: Callable[[Any, Any, bool], int], size: int, crc_of_source: bool
 ) -> None:
     """Each word is checksummed as it is stored: the leading bytes before the destination
-    (32-byte stores) or source (8-byte ones) is aligned, three streams of blocks, then words
-    and bytes left over, all land and count."""
+    (64- and 32-byte stores) or source (8-byte ones) is aligned, the folds or three streams
+    of blocks, then lanes, words and bytes left over, all land and count."""
     for src_at in range(9):
         for dest_at in (0, 3, 17, 31):
             source = memoryview(DATA)[src_at : src_at + size]
@@ -263,12 +315,15 @@ def test_copy_many_of_a_megabyte_or_more_lands_every_byte_whatever_the_stores(
             assert not backing[dest_at + size :].any()
 
 
-def test_copy_crc32c_narrow_refuses_a_short_or_overlapping_destination() -> None:
+def test_copy_crc32c_with_refuses_a_bad_destination_or_an_unknown_pass() -> None:
     with pytest.raises(ValueError, match="shorter"):
-        native.copy_crc32c_narrow(bytearray(3), b"abcd")
+        native.copy_crc32c_with("narrow", bytearray(3), b"abcd")
     shared = bytearray(16)
     with pytest.raises(ValueError, match="overlap"):
-        native.copy_crc32c_narrow(memoryview(shared)[4:], memoryview(shared)[:8])
+        native.copy_crc32c_with("narrow", memoryview(shared)[4:], memoryview(shared)[:8])
+    with pytest.raises(ValueError, match="no pass 'avx9'"):
+        native.copy_crc32c_with("avx9", bytearray(4), b"abcd")
+    assert shared == bytearray(16)
 
 
 def test_copy_many_can_checksum_the_sources_and_copies_the_same_bytes() -> None:

@@ -266,29 +266,55 @@ static int parse_crc_value(PyObject *obj, uint32_t *out, const char *func) {
 
 /* -- crc32c --------------------------------------------------------------------------------- */
 
-static PyObject *one_crc(PyObject *args, int table_only) {
+/* A pass named by a caller (crc32c_with, copy_crc32c_with), -1 with ValueError when it is not
+   one this CPU runs. */
+static int pass_named(const char *func, const char *name) {
+    for (int pass = 0; pass <= kvf_crc32c_best(); pass++)
+        if (strcmp(name, kvf_crc32c_pass_name(pass)) == 0)
+            return pass;
+    PyErr_Format(PyExc_ValueError, "%s: no pass '%s' on this CPU (see CRC32C_PASSES)", func,
+                 name);
+    return -1;
+}
+
+static PyObject *one_crc(const char *func, Py_buffer *view, unsigned long long value, int pass) {
+    if (value > 0xffffffffULL) {
+        PyErr_Format(PyExc_ValueError, "%s: value is an int in [0, 2**32)", func);
+        return NULL;
+    }
+    uint32_t crc = (uint32_t)value;
+    if (view->len >= GIL_RELEASE_MIN) {
+        PyThreadState *ts;
+        RELEASE_GIL(ts);
+        crc = kvf_crc32c_with(pass, crc, view->buf, (size_t)view->len);
+        TAKE_GIL(ts);
+    } else {
+        crc = kvf_crc32c_with(pass, crc, view->buf, (size_t)view->len);
+    }
+    return PyLong_FromUnsignedLong(crc);
+}
+
+static PyObject *py_crc32c(PyObject *self, PyObject *args) {
     Py_buffer view;
     unsigned long long value = 0;
     if (!PyArg_ParseTuple(args, "y*|K", &view, &value))
         return NULL;
-    if (value > 0xffffffffULL) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "crc32c: value is an int in [0, 2**32)");
-        return NULL;
-    }
-    uint32_t crc = (uint32_t)value;
-    if (table_only) {
-        crc = kvf_crc32c_table(crc, view.buf, (size_t)view.len);
-    } else if (view.len >= GIL_RELEASE_MIN) {
-        PyThreadState *ts;
-        RELEASE_GIL(ts);
-        crc = kvf_crc32c(crc, view.buf, (size_t)view.len);
-        TAKE_GIL(ts);
-    } else {
-        crc = kvf_crc32c(crc, view.buf, (size_t)view.len);
-    }
+    PyObject *result = one_crc("crc32c", &view, value, kvf_crc32c_best());
     PyBuffer_Release(&view);
-    return PyLong_FromUnsignedLong(crc);
+    return result;
+}
+
+/* crc32c_with(pass, data, value=0) -> int: crc32c through a named pass (for tests). */
+static PyObject *py_crc32c_with(PyObject *self, PyObject *args) {
+    const char *name;
+    Py_buffer view;
+    unsigned long long value = 0;
+    if (!PyArg_ParseTuple(args, "sy*|K", &name, &view, &value))
+        return NULL;
+    int pass = pass_named("crc32c_with", name);
+    PyObject *result = pass < 0 ? NULL : one_crc("crc32c_with", &view, value, pass);
+    PyBuffer_Release(&view);
+    return result;
 }
 
 /* pack_headers(keys, versions, lengths, crcs) -> bytes: the 64-byte record headers of a
@@ -368,29 +394,29 @@ done:
     return out;
 }
 
-static PyObject *py_crc32c(PyObject *self, PyObject *args) { return one_crc(args, 0); }
-
-static PyObject *py_crc32c_portable(PyObject *self, PyObject *args) { return one_crc(args, 1); }
-
-/* copy_crc32c_narrow(dest, src, value=0) -> int: one copy through the 8-byte pass CPUs
-   without AVX2 take (keeps the GIL; for tests). */
-static PyObject *py_copy_crc32c_narrow(PyObject *self, PyObject *args) {
+/* copy_crc32c_with(pass, dest, src, value=0) -> int: one copy and its CRC through a named
+   pass (keeps the GIL; for tests). */
+static PyObject *py_copy_crc32c_with(PyObject *self, PyObject *args) {
+    const char *name;
     Py_buffer dest, src;
     unsigned long long value = 0;
-    if (!PyArg_ParseTuple(args, "w*y*|K", &dest, &src, &value))
+    if (!PyArg_ParseTuple(args, "sw*y*|K", &name, &dest, &src, &value))
         return NULL;
     PyObject *result = NULL;
     uintptr_t d = (uintptr_t)dest.buf, s = (uintptr_t)src.buf;
     size_t n = (size_t)src.len;
-    if (value > 0xffffffffULL)
-        PyErr_SetString(PyExc_ValueError, "copy_crc32c_narrow: value is an int in [0, 2**32)");
+    int pass = pass_named("copy_crc32c_with", name);
+    if (pass < 0)
+        ;
+    else if (value > 0xffffffffULL)
+        PyErr_SetString(PyExc_ValueError, "copy_crc32c_with: value is an int in [0, 2**32)");
     else if (dest.len < src.len)
-        PyErr_SetString(PyExc_ValueError, "copy_crc32c_narrow: dest is shorter than src");
+        PyErr_SetString(PyExc_ValueError, "copy_crc32c_with: dest is shorter than src");
     else if (n && d < s + n && s < d + n)
-        PyErr_SetString(PyExc_ValueError, "copy_crc32c_narrow: dest and src overlap");
+        PyErr_SetString(PyExc_ValueError, "copy_crc32c_with: dest and src overlap");
     else
         result = PyLong_FromUnsignedLong(
-            kvf_copy_crc32c_narrow(dest.buf, src.buf, n, (uint32_t)value));
+            kvf_copy_crc32c_with(pass, dest.buf, src.buf, n, (uint32_t)value));
     PyBuffer_Release(&dest);
     PyBuffer_Release(&src);
     return result;
@@ -1951,11 +1977,11 @@ static PyMethodDef methods[] = {
     {"gil_handoffs", py_gil_handoffs, METH_NOARGS,
      "gil_handoffs() -> int: batches (copies, a ucx get's CRCs) this thread ended on a "
      "helper thread while it took the GIL back."},
-    {"crc32c_portable", py_crc32c_portable, METH_VARARGS,
-     "crc32c_portable(data, value=0, /) -> int: crc32c through the portable table."},
-    {"copy_crc32c_narrow", py_copy_crc32c_narrow, METH_VARARGS,
-     "copy_crc32c_narrow(dest, src, value=0, /) -> int: one copy and its crc32c through "
-     "8-byte loads and stores."},
+    {"crc32c_with", py_crc32c_with, METH_VARARGS,
+     "crc32c_with(pass, data, value=0, /) -> int: crc32c through a named pass."},
+    {"copy_crc32c_with", py_copy_crc32c_with, METH_VARARGS,
+     "copy_crc32c_with(pass, dest, src, value=0, /) -> int: one copy and its crc32c through a "
+     "named pass."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1987,10 +2013,22 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (!PeerClosed || PyModule_AddObjectRef(m, "PeerClosed", PeerClosed) < 0 ||
         PyModule_AddIntConstant(m, "GIL_RELEASE_MIN", GIL_RELEASE_MIN) < 0 ||
         PyModule_AddIntConstant(m, "IOV_MAX", (long)iov_max) < 0 ||
-        PyModule_AddObjectRef(m, "HARDWARE_CRC32C", kvf_crc32c_hardware() ? Py_True : Py_False) <
-            0 ||
-        PyModule_AddObjectRef(m, "WIDE_COPY_CRC32C",
-                              kvf_copy_crc32c_wide() ? Py_True : Py_False) < 0) {
+        PyModule_AddStringConstant(m, "CRC32C_PASS", kvf_crc32c_pass_name(kvf_crc32c_best())) <
+            0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *passes = PyTuple_New(kvf_crc32c_best() + 1);
+    for (int pass = 0; passes && pass <= kvf_crc32c_best(); pass++) {
+        PyObject *name = PyUnicode_FromString(kvf_crc32c_pass_name(pass));
+        if (!name)
+            Py_CLEAR(passes);
+        else
+            PyTuple_SET_ITEM(passes, pass, name);
+    }
+    int added = passes ? PyModule_AddObjectRef(m, "CRC32C_PASSES", passes) : -1;
+    Py_XDECREF(passes);
+    if (added < 0) {
         Py_DECREF(m);
         return NULL;
     }

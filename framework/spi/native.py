@@ -22,7 +22,7 @@ exposes any buffer — bytes, bytearray, mmap, numpy, memoryview — and needs n
 dependency, unlike cffi) built by setuptools at install. There is no pure-Python fallback:
 an install from source needs a C compiler and Python's headers, and without the built module
 this import fails loudly. CRC32C takes the fastest pass the CPU runs, chosen at run time
-(:data:`CRC32C_PASS`): carry-less multiplication folding 64-byte lanes (AVX-512 and
+(:data:`CRC32C_PASS`): carry-less multiplication folding 128-bit lanes (AVX2 and
 VPCLMULQDQ), the CRC32 instruction three streams at a time (SSE4.2), or a portable table,
 with the same results as the ``crc32c`` package.
 
@@ -86,10 +86,11 @@ IOV_MAX: int = _native.IOV_MAX
 """Buffers per ``sendmsg``/``recvmsg`` call (the system's IOV_MAX)."""
 CRC32C_PASS: str = _native.CRC32C_PASS
 """The pass :func:`crc32c`, :func:`copy_many` and the socket loops take, the fastest this CPU
-runs: ``"fold"`` (carry-less products folding 64-byte lanes, copies storing 64 bytes at a
-time: AVX-512 F and VL with VPCLMULQDQ), ``"wide"`` (the CRC32 instruction, three streams;
-copies storing 32 bytes at a time: AVX2), ``"narrow"`` (the same with 8-byte stores: SSE4.2)
-or ``"table"`` (portable, slicing by 8; a copy is memcpy and then the table)."""
+runs: ``"fold"`` (carry-less products folding 128-bit lanes, copies storing 32 bytes at a
+time: AVX2 with VPCLMULQDQ, Intel since Ice Lake, AMD since Zen 3), ``"wide"`` (the CRC32
+instruction, three streams; copies storing 32 bytes at a time: AVX2), ``"narrow"`` (the same
+with 8-byte stores: SSE4.2) or ``"table"`` (portable, slicing by 8; a copy is memcpy and then
+the table)."""
 CRC32C_PASSES: tuple[str, ...] = _native.CRC32C_PASSES
 """Every pass this CPU runs, slowest first, ending with :data:`CRC32C_PASS`."""
 
@@ -173,7 +174,7 @@ def copy_many(
     default reads the CRC back from the destination (a read) and ``crc_of_source`` takes it
     from the source just before the copy (a write). With the ``"fold"`` pass
     (:data:`CRC32C_PASS`) the CRC costs the copy nothing measurable: 64 x 4 MiB laid out as
-    a get lays them moved at 1.1-1.2x memcpy, checksum included, against 0.65-0.75x for the
+    a get lays them moved at 1.1-1.3x memcpy, checksum included, against 0.65-0.75x for the
     CRC32 instruction's passes on the same host (``"wide"``, 32-byte stores, had measured
     0.93-1.2x on a host whose memcpy moved 5-6 GB/s, where ``"narrow"`` measured
     0.68-0.93x). A pair of 1 MiB or more is stored non-temporally (no read of each

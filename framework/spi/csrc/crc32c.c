@@ -348,26 +348,26 @@ __attribute__((target("avx2,sse4.2"))) static uint32_t copy_crc32c_wide(void *de
  *
  * Why: the CRC32 instruction takes 8 bytes a cycle at best (~27 GB/s here, in cache), and a
  * copy that feeds it every word it stores ran at 0.6-0.75x of memcpy on a host whose memcpy
- * moves 11-16 GB/s (stop 30's measurements), the loop's CRC chains holding back how many
- * loads are in flight. Folding, after Intel's "Fast CRC Computation for Generic Polynomials
- * Using PCLMULQDQ": a CRC is linear, so a 128-bit lane of the message can be carried forward
- * over D bits by two carry-less products with the constants x^(D+32) and x^(D-32) mod P and
- * xored into the lane found D bits later. Sixteen lanes (four 64-byte registers) fold 256
- * bytes at a time with no chain longer than one product; what is left is folded down to one
- * lane, whose CRC the CRC32 instruction takes. 64 x 4 MiB copied with their CRCs as a get
- * lays them out: 16-21 GB/s against memcpy's 14-17 and the CRC32-instruction passes' 10-12.
+ * moves 11-17 GB/s (a Zen 5 VM), the loop's CRC chains holding back how many loads are in
+ * flight. Folding, after Intel's "Fast CRC Computation for Generic Polynomials Using
+ * PCLMULQDQ": a CRC is linear, so a 128-bit lane of the message can be carried forward over
+ * D bits by two carry-less products with the constants x^(D+32) and x^(D-32) mod P and xored
+ * into the lane found D bits later. Eight lanes (four 32-byte registers) fold 128 bytes at a
+ * time with no chain longer than one product; what is left is folded down to one lane,
+ * whose CRC the CRC32 instruction takes. 64 x 4 MiB copied with their CRCs as a get lays
+ * them out: 19-20 GB/s against memcpy's 15-17 and the CRC32-instruction passes' 10-11 (the
+ * same with 64-byte registers and AVX-512 measured no faster, so this needs only AVX2).
  * The CRC is still of the very bytes stored: each register is stored and then folded.
- * Needs AVX-512 (F, VL) and VPCLMULQDQ: Intel since Ice Lake, AMD since Zen 4. */
-#define FOLD_TARGET __attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2")))
+ * Needs AVX2 and VPCLMULQDQ: Intel since Ice Lake (and Alder Lake's cores), AMD since Zen 3. */
+#define FOLD_TARGET __attribute__((target("avx2,vpclmulqdq,pclmul,sse4.2")))
 /* Below this many bytes a CRC without a copy takes the three-stream pass: folding's set-up
    and final reduction cost more than they save. */
 #define FOLD_MIN 512
 
 /* Per distance D in bytes, the two fold constants: x^(8D+32) and x^(8D-32) mod P, each
    bit-reflected and shifted left once (a carry-less product of reflected operands lands one
-   bit low). Lane i of a register pairs with constant i % 2 (low quadword, the earlier bits,
-   with the longer shift). */
-static uint64_t fold_256[2], fold_64[2], fold_16[2];
+   bit low). The low quadword of a lane, the earlier bits, takes the longer shift. */
+static uint64_t fold_128[2], fold_32[2], fold_16[2];
 
 static uint64_t x_power_reflected(unsigned n) {
     uint32_t r = 0x80000000u; /* x^0, reflected */
@@ -381,92 +381,93 @@ static void build_fold(uint64_t k[2], unsigned bytes) {
     k[1] = x_power_reflected(8 * bytes - 32);
 }
 
-FOLD_TARGET static inline __m512i fold4(__m512i lanes, __m512i k, __m512i next) {
-    __m512i early = _mm512_clmulepi64_epi128(lanes, k, 0x00);
-    __m512i late = _mm512_clmulepi64_epi128(lanes, k, 0x11);
-    return _mm512_ternarylogic_epi64(early, late, next, 0x96); /* three-way xor */
+FOLD_TARGET static inline __m256i fold2(__m256i lanes, __m256i k, __m256i next) {
+    __m256i early = _mm256_clmulepi64_epi128(lanes, k, 0x00);
+    __m256i late = _mm256_clmulepi64_epi128(lanes, k, 0x11);
+    return _mm256_xor_si256(_mm256_xor_si256(early, late), next);
 }
 
 FOLD_TARGET static inline __m128i fold1(__m128i lane, __m128i k, __m128i next) {
     __m128i early = _mm_clmulepi64_si128(lane, k, 0x00);
     __m128i late = _mm_clmulepi64_si128(lane, k, 0x11);
-    return _mm_ternarylogic_epi64(early, late, next, 0x96);
+    return _mm_xor_si128(_mm_xor_si128(early, late), next);
 }
 
 FOLD_TARGET static inline __attribute__((always_inline)) void
-fold_store(unsigned char *out, __m512i v, int stream) {
+fold_store(unsigned char *out, __m256i v, int stream) {
     if (stream)
-        _mm512_stream_si512((void *)out, v);
+        _mm256_stream_si256((__m256i *)out, v);
     else
-        _mm512_store_si512((void *)out, v);
+        _mm256_store_si256((__m256i *)out, v);
 }
 
-/* The CRC (copy: and the copy) of len bytes, `copy`, `stream` constant in each caller so
+FOLD_TARGET static inline __m256i load256(const unsigned char *p) {
+    return _mm256_loadu_si256((const __m256i *)p);
+}
+
+/* The CRC (copy: and the copy) of len bytes, `copy` and `stream` constant in each caller so
    each is compiled on its own. The CRC register runs un-inverted inside (crc0); a register
    state is xored into the next four bytes' lane, as a CRC's initial value is. */
 FOLD_TARGET static inline __attribute__((always_inline)) uint32_t
 fold_pass(unsigned char *out, const unsigned char *next, size_t len, uint32_t crc, int copy,
           int stream) {
     uint64_t crc0 = crc ^ 0xffffffffu;
-    /* Align what the 64-byte accesses need aligned: the stores of a copy (non-temporal
+    /* Align what the 32-byte accesses need aligned: the stores of a copy (non-temporal
        stores must be), else the loads. */
-    while (len && ((uintptr_t)(copy ? out : next) & 63)) {
+    while (len && ((uintptr_t)(copy ? out : next) & 31)) {
         crc0 = _mm_crc32_u8((uint32_t)crc0, *next);
         if (copy)
             *out++ = *next;
         next++;
         len--;
     }
-    if (len >= 256) {
-        const __m512i k256 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)fold_256));
-        const __m512i k64 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)fold_64));
+    if (len >= 128) {
+        const __m256i k128 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)fold_128));
+        const __m256i k32 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)fold_32));
         const __m128i k16 = _mm_loadu_si128((const __m128i *)fold_16);
-        __m512i a0 = _mm512_loadu_si512(next), a1 = _mm512_loadu_si512(next + 64),
-                a2 = _mm512_loadu_si512(next + 128), a3 = _mm512_loadu_si512(next + 192);
+        __m256i a0 = load256(next), a1 = load256(next + 32), a2 = load256(next + 64),
+                a3 = load256(next + 96);
         if (copy) {
             fold_store(out, a0, stream);
-            fold_store(out + 64, a1, stream);
-            fold_store(out + 128, a2, stream);
-            fold_store(out + 192, a3, stream);
-            out += 256;
+            fold_store(out + 32, a1, stream);
+            fold_store(out + 64, a2, stream);
+            fold_store(out + 96, a3, stream);
+            out += 128;
         }
-        a0 = _mm512_xor_si512(a0, _mm512_castsi128_si512(_mm_cvtsi32_si128((int)crc0)));
-        next += 256;
-        len -= 256;
-        while (len >= 256) {
-            __m512i b0 = _mm512_loadu_si512(next), b1 = _mm512_loadu_si512(next + 64),
-                    b2 = _mm512_loadu_si512(next + 128), b3 = _mm512_loadu_si512(next + 192);
+        a0 = _mm256_xor_si256(a0, _mm256_castsi128_si256(_mm_cvtsi32_si128((int)crc0)));
+        next += 128;
+        len -= 128;
+        while (len >= 128) {
+            __m256i b0 = load256(next), b1 = load256(next + 32), b2 = load256(next + 64),
+                    b3 = load256(next + 96);
             if (copy) {
                 fold_store(out, b0, stream);
-                fold_store(out + 64, b1, stream);
-                fold_store(out + 128, b2, stream);
-                fold_store(out + 192, b3, stream);
-                out += 256;
+                fold_store(out + 32, b1, stream);
+                fold_store(out + 64, b2, stream);
+                fold_store(out + 96, b3, stream);
+                out += 128;
             }
-            a0 = fold4(a0, k256, b0);
-            a1 = fold4(a1, k256, b1);
-            a2 = fold4(a2, k256, b2);
-            a3 = fold4(a3, k256, b3);
-            next += 256;
-            len -= 256;
+            a0 = fold2(a0, k128, b0);
+            a1 = fold2(a1, k128, b1);
+            a2 = fold2(a2, k128, b2);
+            a3 = fold2(a3, k128, b3);
+            next += 128;
+            len -= 128;
         }
-        a1 = fold4(a0, k64, a1);
-        a2 = fold4(a1, k64, a2);
-        a3 = fold4(a2, k64, a3);
-        while (len >= 64) {
-            __m512i b = _mm512_loadu_si512(next);
+        a1 = fold2(a0, k32, a1);
+        a2 = fold2(a1, k32, a2);
+        a3 = fold2(a2, k32, a3);
+        while (len >= 32) {
+            __m256i b = load256(next);
             if (copy) {
                 fold_store(out, b, stream);
-                out += 64;
+                out += 32;
             }
-            a3 = fold4(a3, k64, b);
-            next += 64;
-            len -= 64;
+            a3 = fold2(a3, k32, b);
+            next += 32;
+            len -= 32;
         }
-        __m128i lane = _mm512_extracti32x4_epi32(a3, 0);
-        lane = fold1(lane, k16, _mm512_extracti32x4_epi32(a3, 1));
-        lane = fold1(lane, k16, _mm512_extracti32x4_epi32(a3, 2));
-        lane = fold1(lane, k16, _mm512_extracti32x4_epi32(a3, 3));
+        __m128i lane = fold1(_mm256_castsi256_si128(a3), k16, _mm256_extracti128_si256(a3, 1));
         /* The lane stands for everything so far: its CRC from a zero register goes on. */
         crc0 = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(lane));
         crc0 = _mm_crc32_u64(crc0, (uint64_t)_mm_extract_epi64(lane, 1));
@@ -497,10 +498,10 @@ FOLD_TARGET static uint32_t crc32c_fold(uint32_t crc, const void *buf, size_t le
 }
 
 /* Non-temporal stores under the same rule as copy_crc32c_wide's, judged once the
-   destination is 64-byte aligned (the first 63 bytes or fewer take plain stores). */
+   destination is 32-byte aligned (the first 31 bytes or fewer take plain stores). */
 FOLD_TARGET static uint32_t copy_crc32c_fold(void *dest, const void *src, size_t len,
                                              uint32_t crc) {
-    size_t head = (size_t)(-(uintptr_t)dest & 63);
+    size_t head = (size_t)(-(uintptr_t)dest & 31);
     uintptr_t ahead = ((uintptr_t)dest - (uintptr_t)src) & 4095;
     if (len >= STREAM_MIN + head && (ahead == 0 || (ahead >= 256 && ahead <= 4096 - 256)))
         return fold_pass(dest, src, len, crc, 1, 1);
@@ -553,18 +554,17 @@ void kvf_crc32c_init(void) {
 #ifdef KVF_HAVE_X86
     build_shift(shift_long, LONG);
     build_shift(shift_short, SHORT);
-    build_fold(fold_256, 256);
-    build_fold(fold_64, 64);
+    build_fold(fold_128, 128);
+    build_fold(fold_32, 32);
     build_fold(fold_16, 16);
     __builtin_cpu_init();
-    /* Each pass needs what the one before it needs (AVX-512 implies AVX2). GCC's checks
-       for AVX2 and AVX-512 include the OS's saving of those registers (XCR0). */
+    /* Each pass needs what the one before it needs. GCC's check for AVX2 includes the OS's
+       saving of the 32-byte registers (XCR0). */
     if (__builtin_cpu_supports("sse4.2")) {
         best = KVF_CRC32C_NARROW;
         if (__builtin_cpu_supports("avx2")) {
             best = KVF_CRC32C_WIDE;
-            if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("pclmul"))
+            if (__builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("pclmul"))
                 best = KVF_CRC32C_FOLD;
         }
     }

@@ -14,7 +14,7 @@ enum kvf_crc32c_pass {
     KVF_CRC32C_TABLE,  /* a portable table (slicing by 8); copies are memcpy then the table */
     KVF_CRC32C_NARROW, /* the CRC32 instruction (SSE4.2), three streams; 8-byte stores */
     KVF_CRC32C_WIDE,   /* the same CRC; copies load and store 32 bytes at a time (AVX2) */
-    KVF_CRC32C_FOLD,   /* carry-less products folding 64-byte lanes (AVX-512, VPCLMULQDQ) */
+    KVF_CRC32C_FOLD,   /* carry-less products folding 128-bit lanes (AVX2, VPCLMULQDQ) */
     KVF_CRC32C_PASSES
 };
 

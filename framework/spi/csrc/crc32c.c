@@ -422,7 +422,8 @@ fold_pass(unsigned char *out, const unsigned char *next, size_t len, uint32_t cr
         len--;
     }
     if (len >= 128) {
-        const __m256i k128 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)fold_128));
+        const __m256i k128 =
+            _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)fold_128));
         const __m256i k32 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)fold_32));
         const __m128i k16 = _mm_loadu_si128((const __m128i *)fold_16);
         __m256i a0 = load256(next), a1 = load256(next + 32), a2 = load256(next + 64),

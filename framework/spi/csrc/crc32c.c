@@ -135,6 +135,12 @@ static inline uint32_t shift(uint32_t zeros[4][256], uint32_t crc) {
            zeros[3][crc >> 24];
 }
 
+/* One byte copied and checksummed: loaded once, so the byte checksummed is the byte stored
+   even while another writer changes the source. */
+static inline unsigned char load8(const unsigned char *p) {
+    return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
+
 static inline uint64_t load64(const unsigned char *p) {
     uint64_t w;
     memcpy(&w, p, 8);
@@ -211,8 +217,9 @@ __attribute__((target("sse4.2"))) static inline uint32_t copy_crc32c_end(unsigne
                                                                          size_t len, uint64_t crc0,
                                                                          int streamed) {
     while (len--) {
-        crc0 = _mm_crc32_u8((uint32_t)crc0, *next);
-        *out++ = *next++;
+        unsigned char byte = load8(next++);
+        crc0 = _mm_crc32_u8((uint32_t)crc0, byte);
+        *out++ = byte;
     }
     if (streamed)
         _mm_sfence();
@@ -229,8 +236,9 @@ __attribute__((target("sse4.2"))) static uint32_t copy_crc32c_hw(void *dest, con
     uint64_t crc0 = crc ^ 0xffffffffu;
 
     while (len && ((uintptr_t)next & 7)) {
-        crc0 = _mm_crc32_u8((uint32_t)crc0, *next);
-        *out++ = *next++;
+        unsigned char byte = load8(next++);
+        crc0 = _mm_crc32_u8((uint32_t)crc0, byte);
+        *out++ = byte;
         len--;
     }
     int stream_out = len >= STREAM_MIN && streams_well(out, next);
@@ -299,8 +307,9 @@ __attribute__((target("avx2,sse4.2"))) static uint32_t copy_crc32c_wide(void *de
     uint64_t crc0 = crc ^ 0xffffffffu;
 
     while (len && ((uintptr_t)out & 31)) {
-        crc0 = _mm_crc32_u8((uint32_t)crc0, *next);
-        *out++ = *next++;
+        unsigned char byte = load8(next++);
+        crc0 = _mm_crc32_u8((uint32_t)crc0, byte);
+        *out++ = byte;
         len--;
     }
     uintptr_t ahead = ((uintptr_t)out - (uintptr_t)next) & 4095;
@@ -415,10 +424,10 @@ fold_pass(unsigned char *out, const unsigned char *next, size_t len, uint32_t cr
     /* Align what the 32-byte accesses need aligned: the stores of a copy (non-temporal
        stores must be), else the loads. */
     while (len && ((uintptr_t)(copy ? out : next) & 31)) {
-        crc0 = _mm_crc32_u8((uint32_t)crc0, *next);
+        unsigned char byte = load8(next++);
+        crc0 = _mm_crc32_u8((uint32_t)crc0, byte);
         if (copy)
-            *out++ = *next;
-        next++;
+            *out++ = byte;
         len--;
     }
     if (len >= 128) {
@@ -484,10 +493,10 @@ fold_pass(unsigned char *out, const unsigned char *next, size_t len, uint32_t cr
         len -= 8;
     }
     while (len--) {
-        crc0 = _mm_crc32_u8((uint32_t)crc0, *next);
+        unsigned char byte = load8(next++);
+        crc0 = _mm_crc32_u8((uint32_t)crc0, byte);
         if (copy)
-            *out++ = *next;
-        next++;
+            *out++ = byte;
     }
     if (stream)
         _mm_sfence();

@@ -90,7 +90,7 @@ runs: ``"fold"`` (carry-less products folding 128-bit lanes, copies storing 32 b
 time: AVX2 with VPCLMULQDQ, Intel since Ice Lake, AMD since Zen 3), ``"wide"`` (the CRC32
 instruction, three streams; copies storing 32 bytes at a time: AVX2), ``"narrow"`` (the same
 with 8-byte stores: SSE4.2) or ``"table"`` (portable, slicing by 8; a copy is memcpy and then
-the table)."""
+the table over the bytes that landed)."""
 CRC32C_PASSES: tuple[str, ...] = _native.CRC32C_PASSES
 """Every pass this CPU runs, slowest first, ending with :data:`CRC32C_PASS`."""
 

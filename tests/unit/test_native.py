@@ -295,6 +295,59 @@ def test_copy_many_checksums_every_byte_at_every_alignment(
             assert not any(backing[dest_at + size :])
 
 
+_REWRITER = """
+import mmap, sys
+import numpy as np
+with open(sys.argv[1], "r+b") as f:
+    view = np.frombuffer(mmap.mmap(f.fileno(), 0), dtype=np.uint8)
+    print("writing", flush=True)
+    value = 0
+    while True:  # until killed: each pass stores a new byte value over the whole source
+        value = (value + 1) & 0xFF
+        view[:] = value
+"""
+
+
+@pytest.mark.parametrize("pass_name", PASSES)
+def test_a_copy_from_a_source_rewritten_under_it_checksums_exactly_the_bytes_it_stored(
+    pass_name: str, tmp_path: Any
+) -> None:
+    """A get copies out of memory another process may be rewriting (a slot reused under a
+    stale descriptor): the copy may land a mix of old and new bytes, and its CRC must be of
+    that mix, never of bytes it loaded separately, or a torn read could pass its check. A
+    real second process rewrites the source with a new byte value per pass; copies of odd
+    lengths and placements (head, folds, tail) go on until some have landed torn."""
+    size = (1 << 20) + 8192 * 3 + 13
+    path = tmp_path / "source"
+    path.write_bytes(bytes(size + 64))
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _REWRITER, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert writer.stdout is not None
+        assert writer.stdout.readline() == "writing\n"
+        with open(path, "r+b") as f:
+            shared = mmap.mmap(f.fileno(), 0)
+            source = np.frombuffer(shared, dtype=np.uint8)
+            backing = np.zeros(size + 64, dtype=np.uint8)
+            torn = copies = 0
+            deadline = time.monotonic() + 120
+            while torn < 20 and time.monotonic() < deadline:
+                src_at, dest_at = copies % 29, copies % 37
+                length = size - (copies % 7) * 4099
+                dest = backing[dest_at : dest_at + length]
+                crc = native.copy_crc32c_with(pass_name, dest, source[src_at : src_at + length])
+                assert crc == _crc(dest), f"copy {copies} checksummed bytes it did not store"
+                torn += int(dest.min() != dest.max())
+                copies += 1
+            del source  # the mapping closes once no view holds it
+            shared.close()
+            assert torn == 20, f"no torn copy seen in {copies} copies: the writer never ran"
+    finally:
+        writer.kill()
+        writer.wait()
+
+
 @pytest.mark.parametrize("copy", COPY_PASSES)
 @pytest.mark.parametrize("crc_of_source", [False, True])
 def test_copy_many_of_a_megabyte_or_more_lands_every_byte_whatever_the_stores(

@@ -544,9 +544,10 @@ uint32_t kvf_copy_crc32c_with(int pass, void *dest, const void *src, size_t len,
     }
 #endif
     (void)pass;
-    crc = kvf_crc32c_table(crc, src, len);
+    /* Two passes: the CRC is read back from what landed (a source rewritten meanwhile must
+       not be vouched for). copy_many takes its own two-pass path on such CPUs. */
     memcpy(dest, src, len);
-    return crc;
+    return kvf_crc32c_table(crc, dest, len);
 }
 
 uint32_t kvf_copy_crc32c(void *dest, const void *src, size_t len, uint32_t crc) {

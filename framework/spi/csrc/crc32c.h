@@ -11,7 +11,7 @@
 
 /* The ways to take a CRC32C, slower first; a CPU that runs one runs every one before it. */
 enum kvf_crc32c_pass {
-    KVF_CRC32C_TABLE,  /* a portable table (slicing by 8); copies are memcpy then the table */
+    KVF_CRC32C_TABLE,  /* a portable table (slicing by 8); a copy: memcpy, then its CRC */
     KVF_CRC32C_NARROW, /* the CRC32 instruction (SSE4.2), three streams; 8-byte stores */
     KVF_CRC32C_WIDE,   /* the same CRC; copies load and store 32 bytes at a time (AVX2) */
     KVF_CRC32C_FOLD,   /* carry-less products folding 128-bit lanes (AVX2, VPCLMULQDQ) */

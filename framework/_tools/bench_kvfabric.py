@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -55,6 +55,7 @@ from kvfabric._tools.bench_measure import (
 from kvfabric._tools.cluster import Cluster, image_server_pids
 from kvfabric.errors import PluginError
 from kvfabric.keys import chain_keys
+from kvfabric.spi.cpus import usable_cpus
 from kvfabric.spi.plugins import plugin_manager
 
 __all__ = [
@@ -143,10 +144,8 @@ def transport_rows(name: str, plan: KvfabricPlan) -> list[BenchRow]:
     values = {size: _values(count, size) for size in plan.sizes}
     dests = {size: [np.ones(size, dtype=np.uint8) for _ in range(count)] for size in plan.sizes}
 
-    def row(phase: str, size: int, seconds: float, kept: float | None = None) -> BenchRow:
-        return BenchRow(
-            system=system, phase=phase, size=size, count=count, seconds=seconds, kept=kept
-        )
+    def row(phase: str, size: int, seconds: float, **more: Any) -> BenchRow:
+        return BenchRow(system=system, phase=phase, size=size, count=count, seconds=seconds, **more)
 
     rows: list[BenchRow] = []
     with (
@@ -215,8 +214,9 @@ def transport_rows(name: str, plan: KvfabricPlan) -> list[BenchRow]:
                     get(size, keys)
 
                 alone, beside, kept = beside_busy(reads, plan.busy_seconds)
-                rows.append(row(READS_ALONE, size, alone))
-                rows.append(row(READS_BUSY, size, beside, kept))
+                cores = _cores_busy(reads, plan.busy_seconds, _server_pids(cluster))
+                rows.append(row(READS_ALONE, size, alone, cores=cores, cpus=usable_cpus()))
+                rows.append(row(READS_BUSY, size, beside, kept=kept))
                 process = beside_busy_process(reads, plan.busy_seconds)
                 rows.append(row(READS_BUSY_PROCESS, size, process))
         rows += _lookup_rows(system, store, _controller_pid(cluster), plan)
@@ -262,6 +262,25 @@ def rpc_rows(plan: KvfabricPlan) -> tuple[list[BenchRow], str]:
         return [], f"a controller without a lookup image did not start: {str(exc)[:200]}"
     with cluster, kvfabric.connect(cluster.url(transport="tcp")) as store:
         return _lookup_rows("kvfabric rpc", store, _controller_pid(cluster), plan), ""
+
+
+def _server_pids(cluster: Cluster) -> list[int]:
+    """The processes a client of ``cluster`` reads from: nodes, controller, image servers."""
+    pids = [node.popen.pid for node in cluster.nodes if node is not None]
+    controller = _controller_pid(cluster)
+    return [*pids, controller, *image_server_pids(controller)]
+
+
+def _cores_busy(fn: Callable[[], object], seconds: float, servers: Sequence[int]) -> float:
+    """``fn`` in a loop for about ``seconds``: the CPU it kept busy, in cores, this process
+    (every thread: the client's helpers count) and ``servers`` together."""
+    fn()
+    started = time.perf_counter()
+    cpu = time.process_time() + sum(cpu_seconds(pid) for pid in servers)
+    while time.perf_counter() - started < seconds:
+        fn()
+    spent = time.process_time() + sum(cpu_seconds(pid) for pid in servers) - cpu
+    return spent / (time.perf_counter() - started)
 
 
 def _controller_pid(cluster: Cluster) -> int:

@@ -66,6 +66,19 @@ class BenchRow:
     note: str = ""
     # Reads beside a busy thread: the share of its idle counting rate that thread kept.
     kept: float | None = None
+    # Reads alone: the CPU they kept busy, in cores (this process and the servers it read
+    # from together), and the CPUs this host lets them use.
+    cores: float | None = None
+    cpus: int | None = None
+
+    @property
+    def room(self) -> float | None:
+        """Reads alone: the share of their rate a host of ``cpus`` CPUs can leave them beside
+        a loop that takes one CPU, if each core's worth of work needs a core
+        (``min(1, (cpus - 1) / cores)``): where it is below a goal, the host sets the ratio."""
+        if self.cores is None or self.cpus is None or self.cores <= 0:
+            return None
+        return min(1.0, (self.cpus - 1) / self.cores)
 
     @property
     def gbps(self) -> float:
@@ -84,6 +97,8 @@ class BenchRow:
             seconds=float(data["seconds"]),
             note=str(data.get("note") or ""),
             kept=None if data.get("kept") is None else float(data["kept"]),
+            cores=None if data.get("cores") is None else float(data["cores"]),
+            cpus=None if data.get("cpus") is None else int(data["cpus"]),
         )
 
 

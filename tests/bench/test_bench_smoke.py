@@ -24,6 +24,7 @@ from kvfabric._tools.bench_measure import (
     RTT,
     STREAM,
 )
+from kvfabric.spi.cpus import usable_cpus
 
 _PEERS = ("mooncake", "infinistore")
 
@@ -74,6 +75,12 @@ def test_bench_measures_floors_kvfabric_redis_and_says_where_the_peers_stand() -
     assert {("memcpy", COPY), ("raw socket", STREAM), ("raw socket", RTT)} <= measured
     assert all(r.seconds > 0 for r in rows if r.phase != CONTROLLER_CPU)
     assert all(r.kept is not None and r.kept > 0 for r in rows if r.phase == READS_BUSY)
+    # The CPU reads kept busy alone (client and servers), and the CPUs the room is of.
+    for row in rows:
+        if row.phase == READS_ALONE and row.system.startswith("kvfabric"):
+            assert row.cores is not None
+            assert row.cores > 0, row
+            assert row.cpus == usable_cpus(), row
     # Every lookup went one way, as the client's counters say, and its RPCs match it.
     for row in rows:
         if row.phase == CONTAINS and row.system.startswith("kvfabric"):
@@ -92,6 +99,7 @@ def test_bench_measures_floors_kvfabric_redis_and_says_where_the_peers_stand() -
     assert "targets (issue 12):" in text
     assert "reads beside busy / alone, tcp" in text
     assert "thread/proc" in text
+    assert "room: what a host of" in text
     if os.environ.get("KVFABRIC_PEERS_PYTHON"):
         for peer in _PEERS:
             assert {(peer, p) for p in (PUT_FRESH, CONTAINS, GET, READS_BUSY)} <= measured

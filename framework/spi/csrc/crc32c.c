@@ -1,4 +1,4 @@
-/* CRC32C: carry-less multiplication folding 64-byte lanes, the CPU's CRC32 instruction three
+/* CRC32C: carry-less multiplication folding 128-bit lanes, the CPU's CRC32 instruction three
  * streams at a time, or a portable table (the passes of crc32c.h, best first).
  *
  * The CRC32-instruction pass follows Mark Adler's well-known scheme: the crc32 instruction has a

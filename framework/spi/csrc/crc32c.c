@@ -414,6 +414,22 @@ FOLD_TARGET static inline __m256i load256(const unsigned char *p) {
     return _mm256_loadu_si256((const __m256i *)p);
 }
 
+/* The next 128 bytes of the message as four registers; a copy stores them at `out` first. */
+FOLD_TARGET static inline __attribute__((always_inline)) void
+take128(const unsigned char *next, unsigned char *out, int copy, int stream, __m256i *r0,
+        __m256i *r1, __m256i *r2, __m256i *r3) {
+    *r0 = load256(next);
+    *r1 = load256(next + 32);
+    *r2 = load256(next + 64);
+    *r3 = load256(next + 96);
+    if (copy) {
+        fold_store(out, *r0, stream);
+        fold_store(out + 32, *r1, stream);
+        fold_store(out + 64, *r2, stream);
+        fold_store(out + 96, *r3, stream);
+    }
+}
+
 /* The CRC (copy: and the copy) of len bytes, `copy` and `stream` constant in each caller so
    each is compiled on its own. The CRC register runs un-inverted inside (crc0); a register
    state is xored into the next four bytes' lane, as a CRC's initial value is. */
@@ -435,33 +451,22 @@ fold_pass(unsigned char *out, const unsigned char *next, size_t len, uint32_t cr
             _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)fold_128));
         const __m256i k32 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)fold_32));
         const __m128i k16 = _mm_loadu_si128((const __m128i *)fold_16);
-        __m256i a0 = load256(next), a1 = load256(next + 32), a2 = load256(next + 64),
-                a3 = load256(next + 96);
-        if (copy) {
-            fold_store(out, a0, stream);
-            fold_store(out + 32, a1, stream);
-            fold_store(out + 64, a2, stream);
-            fold_store(out + 96, a3, stream);
-            out += 128;
-        }
+        __m256i a0, a1, a2, a3, b0, b1, b2, b3;
+        take128(next, out, copy, stream, &a0, &a1, &a2, &a3);
         a0 = _mm256_xor_si256(a0, _mm256_castsi128_si256(_mm_cvtsi32_si128((int)crc0)));
         next += 128;
+        if (copy)
+            out += 128;
         len -= 128;
         while (len >= 128) {
-            __m256i b0 = load256(next), b1 = load256(next + 32), b2 = load256(next + 64),
-                    b3 = load256(next + 96);
-            if (copy) {
-                fold_store(out, b0, stream);
-                fold_store(out + 32, b1, stream);
-                fold_store(out + 64, b2, stream);
-                fold_store(out + 96, b3, stream);
-                out += 128;
-            }
+            take128(next, out, copy, stream, &b0, &b1, &b2, &b3);
             a0 = fold2(a0, k128, b0);
             a1 = fold2(a1, k128, b1);
             a2 = fold2(a2, k128, b2);
             a3 = fold2(a3, k128, b3);
             next += 128;
+            if (copy)
+                out += 128;
             len -= 128;
         }
         a1 = fold2(a0, k32, a1);

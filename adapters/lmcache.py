@@ -32,12 +32,12 @@ from typing import Any, NamedTuple, TypeVar
 
 import kvfabric
 from kvfabric import PutOutcome, Store
+from kvfabric._runtime.buffers import copy_into
 from kvfabric.adapters.lmcache_hashing import warn_if_chunk_hashes_unshared
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ConfigError, PluginUnavailableError, ValueTooLargeError
 from kvfabric.keys import fold_key, namespace_bytes
 from kvfabric.options import parse_url
-from kvfabric.spi import copy_into
 
 # lmcache ships no type information (and is absent where only the linters run): its names
 # are Any to mypy either way.

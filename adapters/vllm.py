@@ -34,6 +34,7 @@ from kvfabric.errors import ConfigError
 # Typed where vLLM and torch are installed; Any where they are not (kvfabric's lint env).
 try:
     import torch  # type: ignore[import-not-found, unused-ignore]
+    import vllm  # type: ignore[import-not-found, unused-ignore]
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found, unused-ignore]
         KVConnectorBase_V1,
         KVConnectorHandshakeMetadata,
@@ -41,8 +42,6 @@ try:
         KVConnectorRole,
     )
     from vllm.v1.metrics.cache_hit_source import CacheHitSource  # type: ignore[import-not-found, unused-ignore]
-
-    import vllm  # type: ignore[import-not-found, unused-ignore]
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "kvfabric.adapters.vllm needs vLLM: pip install 'kvfabric[vllm]' "

@@ -12,7 +12,7 @@ mapping it. It takes about a second per few GiB (the node's ready line and its
 ``prefault_ms``); turn it off for capacities the machine should only commit as they fill.
 
 Each region asks for 2 MiB pages (``madvise``; ``dram.huge_pages``, on by default), which
-the kernel grants where its policy for shared memory allows (``kvfabric.spi.huge_pages``;
+the kernel grants where its policy for shared memory allows (``kvfabric._runtime.huge_pages``;
 many distributions ship ``never``, where asking changes nothing). Page tables then take
 4 KiB per GiB instead of 2 MiB, in the node and in every shm client mapping its regions
 (2 GiB: 4.4 MB of them against 0.26), and every 4 KiB a read touches no longer costs a TLB
@@ -37,24 +37,26 @@ import secrets
 import time
 from collections.abc import Sequence
 
+from kvfabric._runtime.buffers import prefault_all
+from kvfabric._runtime.huge_pages import (
+    SHMEM_POLICY,
+    advise_huge_pages,
+    mapped_pages,
+    policy_grants_advised,
+    shmem_huge_policy,
+)
 from kvfabric.errors import ConfigError, PluginUnavailableError
 from kvfabric.spi import (
-    SHMEM_POLICY,
     Backend,
     BackendConfig,
     MemoryKind,
     OptionSpec,
     Region,
     Registry,
-    advise_huge_pages,
     format_size,
     hookimpl,
-    mapped_pages,
     new_rkey,
     parse_bool,
-    policy_grants_advised,
-    prefault_all,
-    shmem_huge_policy,
 )
 
 __all__ = ["DramBackend"]

@@ -40,6 +40,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvfabric._runtime.buffers import prefault_all
 from kvfabric.errors import ConfigError, PluginUnavailableError
 from kvfabric.spi import (
     SLOT_ALIGN,
@@ -54,7 +55,6 @@ from kvfabric.spi import (
     new_rkey,
     parse_bool,
     parse_duration,
-    prefault_all,
 )
 
 __all__ = ["FileBackend"]

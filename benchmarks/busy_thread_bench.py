@@ -47,11 +47,13 @@ from gil_bench import BusyProcess
 
 import kvfabric
 from kvfabric import PutOutcome, Store, chain_keys
+from kvfabric._plugins import plugin_manager
+from kvfabric._runtime import native
 from kvfabric._tools.bench_kvfabric import scoped_environ
 from kvfabric._tools.busy import BusyThread
 from kvfabric._tools.cluster import Cluster
 from kvfabric.errors import PluginError
-from kvfabric.spi import native, parse_size, plugin_manager
+from kvfabric.spi import parse_size
 
 # Per transport spec: the transport's name and the environment its node and client need.
 _SPECS: dict[str, tuple[str, dict[str, str]]] = {

@@ -19,8 +19,8 @@ from collections.abc import Callable
 import numpy as np
 
 import kvfabric
+from kvfabric._runtime.record import checksum
 from kvfabric.keys import chain_keys
-from kvfabric.spi.record import checksum
 
 
 def _median(fn: Callable[[], object], repeat: int) -> float:

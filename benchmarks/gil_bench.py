@@ -6,12 +6,12 @@ A batch is ``count`` values of ``size`` bytes. Each row runs one way of moving o
 a batch in a loop for ``--seconds``, first alone, then beside a thread running a pure-Python
 counting loop (an engine's scheduler or event loop, standing in). Every re-acquisition of
 the GIL beside that thread waits out the switch interval (5 ms by default), so a loop that
-takes the GIL back per piece slows down with the number of pieces; kvfabric.spi.native
+takes the GIL back per piece slows down with the number of pieces; kvfabric._runtime.native
 takes it back once per batch. Rows:
 
 - crc: the ``crc32c`` package once per value vs ``native.crc32c_many``;
 - copy: numpy ``copyto`` per value (the memcpy baseline), ``ctypes.memmove`` per value (as
-  ``kvfabric.spi.copy_into`` does) vs ``native.copy_many``; and copy then CRC per value vs
+  ``buffers.copy_into`` does) vs ``native.copy_many``; and copy then CRC per value vs
   the fused ``copy_many(crc_spans=...)``, reading the CRC back from the destination (what
   ``shm`` reads do) or taking it from the source (``crc_of_source``: what ``shm`` puts do);
 - recv over 127.0.0.1 from a sender process: a Python ``recvmsg_into`` loop (the plain
@@ -44,8 +44,9 @@ from typing import Any
 import crc32c
 import numpy as np
 
+from kvfabric._runtime import native
 from kvfabric._tools.busy import BusyProcess, BusyThread
-from kvfabric.spi import native, parse_size
+from kvfabric.spi import parse_size
 
 _REQUEST = struct.Struct("<QQ")  # count, size; (0, 0) ends the sender
 # One way of handling a batch; returns how many times it took the GIL back.

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from kvfabric._runtime import native
 from kvfabric._tools.cluster import Cluster
-from kvfabric.spi import native
 from kvfabric.spi.transport import NodeEndpoint, Segment, TransportClient, TransportConfig
 from kvfabric.transports.tcp import TcpTransport
 

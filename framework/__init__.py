@@ -17,6 +17,7 @@ import asyncio
 
 from kvfabric._client.aio import AsyncStore
 from kvfabric._client.store import PutOutcome, Store
+from kvfabric._plugins import PluginManager, plugin_manager
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import (
     ConfigError,
@@ -37,7 +38,6 @@ from kvfabric.errors import (
 )
 from kvfabric.keys import KEY_SIZE, ROOT_KEY, chain_key, chain_keys, fold_key
 from kvfabric.options import EmbeddedOptions, RemoteOptions, options_dict, parse_url
-from kvfabric.spi.plugins import PluginManager, plugin_manager
 
 __version__ = "0.1.0"
 

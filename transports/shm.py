@@ -21,6 +21,7 @@ import mmap
 import os
 import struct
 
+from kvfabric._runtime.native import copy_many, prefault
 from kvfabric.errors import NotSupportedError, TransportError
 from kvfabric.spi import (
     Batch,
@@ -36,10 +37,8 @@ from kvfabric.spi import (
     TransportClient,
     TransportConfig,
     TransportServer,
-    copy_many,
     hookimpl,
     parse_bool,
-    prefault,
 )
 
 __all__ = ["ShmTransport"]

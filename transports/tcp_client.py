@@ -7,7 +7,7 @@ A batch of more than ``MAX_COUNT`` segments goes as several frames on one connec
 read of at least ``READ_LANE_MIN`` bytes goes as one frame per lane (``tcp.read_lanes``)
 on as many connections at once, in one native call (``request_reply_lanes``).
 
-Over plain tcp a frame is one native call (``kvfabric.spi.request_reply``): the request
+Over plain tcp a frame is one native call (``kvfabric._runtime.native.request_reply``): the request
 (a write's payloads in it), the reply's status table, then a read's accepted payloads,
 each read record's CRC32C taken as its bytes land (``Batch.crcs``), with the GIL released
 once. A 64 x 4 MiB read or write takes it back once; a checksummed write twice (the

@@ -5,7 +5,7 @@ handshake is done. Each then gets a thread that serves its frames one at a time,
 segment checked again against the regions (``kvfabric.spi.RegionTable``: the client is not
 trusted), a refused segment moving no bytes. On a plain connection, READ frames of up to
 ``SERVE_MAX_COUNT`` (256) entries — a lookup's read of the image, most reads of records —
-never reach Python: ``kvfabric.spi.serve_reads`` waits for them, checks them by the same
+never reach Python: ``kvfabric._runtime.native.serve_reads`` waits for them, checks them by the same
 rules and replies, frame after frame, holding no GIL (a 64-key lookup over tcp cost the
 image's server 50-80 µs of CPU in Python, 30 in C). It hands back anything else with its
 header read. Python serves those: bytes go straight between the socket and region memory
@@ -40,19 +40,17 @@ from collections.abc import Iterable, Iterator
 
 import attrs
 
+from kvfabric._runtime.native import SERVE_COUNTERS, ServeEnd, serve_reads
 from kvfabric.errors import TransportError
 from kvfabric.spi import (
-    SERVE_COUNTERS,
     Counters,
     Region,
     RegionHandle,
     RegionTable,
     SegmentStatus,
-    ServeEnd,
     TransportConfig,
     TransportServer,
     byte_view,
-    serve_reads,
 )
 from kvfabric.transports.tcp_gate import GATE_COUNTERS, Gate
 from kvfabric.transports.tcp_stream import (

@@ -1,7 +1,7 @@
 """Socket I/O for the ``tcp`` transport, every call bounded by a deadline.
 
 Both sides move bytes through a :class:`Stream`: kvfabric's native loops
-(``kvfabric.spi.native``) move a whole list of buffers straight between the socket and the
+(``kvfabric._runtime.native``) move a whole list of buffers straight between the socket and the
 caller's memory (``sendmsg`` gathers, ``recvmsg`` scatters, ``IOV_MAX`` buffers per system
 call) and release the GIL once for the call. Why once: a thread that takes the GIL back
 beside a busy Python thread waits out the interpreter's switch interval (5 ms), and the
@@ -20,7 +20,7 @@ The socket is non-blocking and a call waits in ``poll`` only when the kernel has
 for it. Every method takes a deadline (``time.monotonic()``; None for none) that bounds
 the whole call, so a frame is bounded however slowly its bytes trickle in
 (``TimeoutError``). The peer closing in the middle of a transfer raises
-:class:`~kvfabric.spi.native.PeerClosed` (``received``: the bytes this call received).
+:class:`~kvfabric._runtime.native.PeerClosed` (``received``: the bytes this call received).
 """
 
 from __future__ import annotations
@@ -36,17 +36,17 @@ from typing import Any, ClassVar, TypeVar
 
 import attrs
 
-from kvfabric.spi import (
+from kvfabric._runtime.native import (
     IOV_MAX,
     PeerClosed,
-    byte_view,
     crc32c_many,
     recv_into_all,
     request_reply,
     request_reply_lanes,
     send_checksummed,
 )
-from kvfabric.spi import send_all as native_send_all
+from kvfabric._runtime.native import send_all as native_send_all
+from kvfabric.spi import byte_view
 
 __all__ = [
     "HOLD_GIL",
@@ -163,7 +163,7 @@ class Stream:
         self, buffers: Sequence[Any], deadline: float | None, crc_spans: Spans
     ) -> list[int]:
         """Send every buffer in order with the CRC32C of each span of them, taken as the
-        bytes go (one native call: :func:`kvfabric.spi.send_checksummed`)."""
+        bytes go (one native call: :func:`kvfabric._runtime.native.send_checksummed`)."""
         return send_checksummed(self.sock, buffers, deadline, crc_spans)
 
     def recv_growing(self, size: int, deadline: float | None) -> bytearray:
@@ -221,7 +221,7 @@ class Stream:
     ) -> list[int]:
         """Send ``request``, fill ``reply``, then each payload whose status byte
         (``reply[status_offset + i]``) is 0, checksumming ``crc_spans`` of the payloads as
-        they land; one release of the GIL (:func:`kvfabric.spi.request_reply`), and none
+        they land; one release of the GIL (:func:`kvfabric._runtime.native.request_reply`), and none
         when a small frame's reply comes within ``hold_gil`` (:data:`HOLD_GIL`)."""
         return request_reply(
             self.sock,
@@ -252,7 +252,7 @@ class Lane:
 def exchange_lanes(lanes: Sequence[Lane], deadline: float | None) -> list[list[int]]:
     """Each lane's :meth:`Stream.request_reply` at once, each on its own plain stream, the
     calling thread running the first and a native helper thread each other, in one release
-    of the GIL (:func:`kvfabric.spi.request_reply_lanes`); each lane's CRCs.
+    of the GIL (:func:`kvfabric._runtime.native.request_reply_lanes`); each lane's CRCs.
 
     After an error every lane's stream is in an unknown state: close them all."""
     if any(lane.stream.tls for lane in lanes):

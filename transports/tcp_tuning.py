@@ -29,9 +29,9 @@ import contextlib
 import ipaddress
 import socket
 
+from kvfabric._runtime.cpus import usable_cpus
 from kvfabric.errors import ConfigError
 from kvfabric.spi import parse_size
-from kvfabric.spi.cpus import usable_cpus
 
 __all__ = [
     "AUTO",
@@ -61,7 +61,7 @@ def parse_read_lanes(text: str | int) -> int:
     """``tcp.read_lanes``: ``auto`` or 1 to :data:`MAX_READ_LANES` connections per large read.
 
     ``auto`` is 2 where this process can keep at least 4 CPUs busy (those it may run on,
-    capped by its cgroups' CPU quota: :func:`kvfabric.spi.cpus.usable_cpus`), else 1. A
+    capped by its cgroups' CPU quota: :func:`kvfabric._runtime.cpus.usable_cpus`), else 1. A
     second lane is a second receiving thread: over loopback on this project's 2-core VM,
     64 x 4 MiB reads ran 1.14x faster with it, alone and beside a busy Python thread, but
     that thread kept 0.63 of its counting rate instead of 1.0 (alternated, six pairs): on

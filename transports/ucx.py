@@ -18,10 +18,10 @@ waits for completion are not, so batches for several nodes are in flight togethe
 whichever caller progresses completes them all. The GIL: cffi drops it during each call,
 and each call taken back beside a busy Python thread can wait out the switch interval
 (5 ms), so a batch's posts, progress and completion checks run in kvfabric's native loops
-(``kvfabric.spi.ucp_post`` keeps the GIL, ``ucp_wait`` releases it once for the whole wait
-and takes the CRCs of the batch's records in the same release), with libucp's functions
-passed as addresses, and the lock is a ``kvfabric.spi.Mutex`` those loops take without the
-GIL. Native code is loaded lazily (``kvfabric.transports._ucp``): this module imports
+(``kvfabric._runtime.native``: ``ucp_post`` keeps the GIL, ``ucp_wait`` releases it once for
+the whole wait and takes the CRCs of the batch's records in the same release), with libucp's
+functions passed as addresses, and the lock is a native ``Mutex`` those loops take without
+the GIL. Native code is loaded lazily (``kvfabric.transports._ucp``): this module imports
 without UCX, and selecting the transport without it gives the install hint.
 """
 
@@ -35,15 +35,15 @@ import struct
 import threading
 from typing import Any
 
+from kvfabric._runtime.buffers import address_of
+from kvfabric._runtime.native import GIL_RELEASE_MIN, Mutex, ucp_post, ucp_wait
 from kvfabric.errors import PluginUnavailableError, TransportError, TransportTimeoutError
 from kvfabric.spi import (
-    GIL_RELEASE_MIN,
     Batch,
     Capabilities,
     Counters,
     ExceptionMapping,
     MemoryKind,
-    Mutex,
     NodeEndpoint,
     PeerClient,
     Region,
@@ -53,12 +53,9 @@ from kvfabric.spi import (
     TransportClient,
     TransportConfig,
     TransportServer,
-    address_of,
     byte_view,
     hookimpl,
     map_exceptions,
-    ucp_post,
-    ucp_wait,
 )
 from kvfabric.transports import _ucp
 

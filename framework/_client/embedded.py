@@ -26,14 +26,13 @@ from kvfabric._node.agent import NodeAgent
 from kvfabric._node.capacity import check_capacity
 from kvfabric._node.membership import IndexMembership
 from kvfabric._node.node import DataNode
+from kvfabric._plugins import PluginManager, PluginOptions
+from kvfabric._runtime.image import ImageGeometry
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ConfigError, ControllerUnavailableError
 from kvfabric.options import EmbeddedOptions
 from kvfabric.spi.backend import BackendConfig
-from kvfabric.spi.image import ImageGeometry
 from kvfabric.spi.index import IndexConfig, IndexPlugin
-from kvfabric.spi.options import PluginOptions
-from kvfabric.spi.plugins import PluginManager
 from kvfabric.spi.transport import TransportConfig
 
 __all__ = ["open_embedded"]

@@ -1,6 +1,6 @@
 """The client's side of the lookup image: lookups answered by reading the index's buckets.
 
-The index publishes its entries as an image (:mod:`kvfabric.spi.image`). This module reads
+The index publishes its entries as an image (:mod:`kvfabric._runtime.image`). This module reads
 it, one way per deployment:
 
 - **mapped** — on the controller's host, the image's file mapped read-only and probed in
@@ -36,9 +36,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import attrs
 import numpy as np
 
-from kvfabric._wire.protocol import ImageLocation
-from kvfabric.errors import KvfabricError, ProtocolError
-from kvfabric.spi.image import (
+from kvfabric._runtime.image import (
     IMAGE_HEADER_SIZE,
     IMAGE_NODE,
     IMAGE_REGION,
@@ -51,6 +49,8 @@ from kvfabric.spi.image import (
     image_prefix,
     ring_pieces,
 )
+from kvfabric._wire.protocol import ImageLocation
+from kvfabric.errors import KvfabricError, ProtocolError
 from kvfabric.spi.transport import NodeEndpoint, Segment, TransportClient
 
 __all__ = [
@@ -84,7 +84,7 @@ class ImageReader(abc.ABC):
     @abc.abstractmethod
     def prefix(self, keys: Sequence[bytes]) -> tuple[int, int, bytes, int]:
         """``(hits, stop, wires, round_trips)``: as
-        :func:`~kvfabric.spi.image.image_prefix` answers, and the data-plane round trips
+        :func:`~kvfabric._runtime.image.image_prefix` answers, and the data-plane round trips
         the probe took. ``TypeError`` for a key that is not 32 bytes; anything else that
         goes wrong is ``UNUSABLE``.
         """
@@ -104,7 +104,7 @@ class ImageReader(abc.ABC):
 
 class MappedImage(ImageReader):
     """An image in this process's address space, probed in place (under each bucket's
-    seqlock, without its CRC: see :func:`~kvfabric.spi.image.image_prefix`)."""
+    seqlock, without its CRC: see :func:`~kvfabric._runtime.image.image_prefix`)."""
 
     def __init__(
         self,

@@ -32,11 +32,11 @@ import attrs
 import numpy as np
 
 from kvfabric._client.routes import Routes
+from kvfabric._runtime.buffers import byte_view, writable_view
+from kvfabric._runtime.record import HEADER_SIZE, pack_headers, validate_record
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ValidationError
-from kvfabric.spi.buffers import byte_view, writable_view
 from kvfabric.spi.index import NodeInfo
-from kvfabric.spi.record import HEADER_SIZE, pack_headers, validate_record
 from kvfabric.spi.transport import Segment, TransportClient
 
 __all__ = ["ReadReport", "RecordIO", "WriteReport", "value_pieces"]
@@ -227,7 +227,7 @@ class RecordIO:
     def read_slot(self, descriptor: Descriptor, at: int, buffer: Any) -> None:
         """Land ``len(buffer)`` raw bytes of ``descriptor``'s record, ``at`` bytes from its start.
 
-        The header is at 0 and the payload at :data:`~kvfabric.spi.record.HEADER_SIZE`;
+        The header is at 0 and the payload at :data:`~kvfabric._runtime.record.HEADER_SIZE`;
         nothing is validated. Raises :class:`TransportError` if the node refuses or cannot
         be reached (call ``Store.ping()`` first to learn a node that joined later).
         """

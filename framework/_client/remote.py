@@ -27,11 +27,10 @@ from kvfabric._client.store import Store
 from kvfabric._control.client import ControlClient
 from kvfabric._control.remote_index import RemoteIndex
 from kvfabric._control.security import Credentials, load_secret
+from kvfabric._plugins import PluginManager, PluginOptions
 from kvfabric.errors import KvfabricError
 from kvfabric.options import RemoteOptions
 from kvfabric.spi.index import IndexConfig
-from kvfabric.spi.options import PluginOptions
-from kvfabric.spi.plugins import PluginManager
 from kvfabric.spi.transport import Transport, TransportClient, TransportConfig
 
 __all__ = ["open_remote"]

@@ -9,7 +9,7 @@ resolve only what is missing (one call for all of them), and hand them to the re
 layer. Writes cost one ``allocate`` call and one ``publish`` call per batch, and a key that
 is already stored moves no bytes.
 
-Where the index publishes a lookup image (:mod:`kvfabric.spi.image`), lookups read it
+Where the index publishes a lookup image (:mod:`kvfabric._runtime.image`), lookups read it
 instead of asking: probed in place on the controller's host, one data-plane round trip
 elsewhere (:mod:`~kvfabric._client.image_reader`). Only keys the image cannot answer for —
 a torn bucket, a key that found no room in it, an image that cannot be read — go to the
@@ -46,12 +46,16 @@ from typing import Any, TypeVar
 
 import attrs
 
+from kvfabric._client.counter_names import CLIENT_COUNTERS
 from kvfabric._client.extents import EXTENT_BYTES, Carving, ExtentPool, stripes
 from kvfabric._client.image_reader import ImageReader, ImageSlot
 from kvfabric._client.prefetch import PrefetchCache
 from kvfabric._client.record_io import RecordIO, value_pieces
 from kvfabric._client.touches import TouchReporter
 from kvfabric._node.node import DataNode
+from kvfabric._plugins import PluginManager
+from kvfabric._runtime.image import ImageStop, alternate_key, first_bad_key
+from kvfabric._runtime.record import record_size
 from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor, PackedDescriptors
 from kvfabric.errors import (
     ControllerUnavailableError,
@@ -62,8 +66,7 @@ from kvfabric.errors import (
 )
 from kvfabric.keys import KEY_SIZE
 from kvfabric.options import ClientOptions
-from kvfabric.spi.counters import CLIENT_COUNTERS, Counters
-from kvfabric.spi.image import ImageStop, first_bad_key
+from kvfabric.spi.counters import Counters
 from kvfabric.spi.index import (
     AllocationKind,
     AllocationRequest,
@@ -73,10 +76,7 @@ from kvfabric.spi.index import (
     GrantRef,
     Index,
     IndexPlugin,
-    alternate_key,
 )
-from kvfabric.spi.plugins import PluginManager
-from kvfabric.spi.record import record_size
 
 __all__ = ["PutOutcome", "Store"]
 

@@ -26,9 +26,9 @@ from collections.abc import Callable
 import zmq
 
 from kvfabric._control.security import Credentials
+from kvfabric._runtime.codec import Reader
 from kvfabric._wire.protocol import REPLY_BIT, ErrorCode, MsgType, decode_header, encode, read_error
 from kvfabric.errors import ControllerUnavailableError, ProtocolError, RemoteError
-from kvfabric.spi.codec import Reader
 
 __all__ = ["IDLE_SOCKETS", "ControlClient", "ControllerRefusedError", "UnknownNodeError"]
 

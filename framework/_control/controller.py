@@ -8,7 +8,7 @@ deregisters (it is stopping) is dropped with all its entries at once, and a node
 ``node_timeout`` the same way.
 
 Given transport servers for it (``kvfabric controller --transport tcp,shm``; ``serve`` lends
-its node's), the controller asks its index for a lookup image (:mod:`kvfabric.spi.image`),
+its node's), the controller asks its index for a lookup image (:mod:`kvfabric._runtime.image`),
 registers it with each server like a region and tells clients where it is (``IMAGE``):
 clients then answer lookups by reading it one-sided, and the controller does nothing per
 such lookup. The index restamps the image's heartbeat at every tick of the loop, so a
@@ -32,12 +32,12 @@ import zmq
 
 from kvfabric._control.image_process import ImageProcessServer
 from kvfabric._control.security import Credentials
+from kvfabric._runtime.codec import Reader, Writer
+from kvfabric._runtime.image import IMAGE_NODE, ImageGeometry, host_identity
 from kvfabric._wire import protocol as p
 from kvfabric._wire.protocol import REPLY_BIT, ErrorCode, MsgType
 from kvfabric.errors import KvfabricError, ProtocolError
 from kvfabric.spi.backend import Region
-from kvfabric.spi.codec import Reader, Writer
-from kvfabric.spi.image import IMAGE_NODE, ImageGeometry, host_identity
 from kvfabric.spi.index import IndexPlugin, NodeInfo
 from kvfabric.spi.transport import NodeEndpoint, RegionHandle, TransportServer
 

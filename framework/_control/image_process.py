@@ -229,7 +229,7 @@ def _reap(child: subprocess.Popen[bytes]) -> None:
 
 def _serve(request: _Request, out: IO[bytes]) -> TransportServer | None:
     # Imported here: the controller imports this module without starting any transport.
-    from kvfabric.spi.plugins import plugin_manager
+    from kvfabric._plugins import plugin_manager
 
     try:
         fd = os.open(request.path, os.O_RDONLY | os.O_CLOEXEC)

@@ -14,9 +14,9 @@ import os
 import resource
 from pathlib import Path
 
+from kvfabric._runtime.record import record_size
 from kvfabric.errors import ConfigError
 from kvfabric.spi import Backend, MemoryKind
-from kvfabric.spi.record import record_size
 from kvfabric.spi.units import format_size
 
 __all__ = ["check_capacity", "memory_limit"]

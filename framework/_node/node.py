@@ -15,13 +15,12 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from kvfabric._plugins import PluginManager, PluginOptions, plugin_manager
+from kvfabric._runtime.record_scan import scan_records
 from kvfabric.descriptor import DESCRIPTOR_DTYPE
 from kvfabric.errors import NotSupportedError
 from kvfabric.spi.backend import Backend, BackendConfig
 from kvfabric.spi.index import NodeInfo, RegionInfo
-from kvfabric.spi.options import PluginOptions
-from kvfabric.spi.plugins import PluginManager, plugin_manager
-from kvfabric.spi.record_scan import scan_records
 from kvfabric.spi.transport import NodeEndpoint, RegionHandle, TransportConfig, TransportServer
 
 __all__ = ["DataNode", "NodeScan"]

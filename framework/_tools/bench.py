@@ -23,6 +23,7 @@ import sys
 from collections.abc import Sequence
 from typing import IO
 
+from kvfabric._runtime.huge_pages import shmem_huge_policy
 from kvfabric._tools import bench_kvfabric as kv
 from kvfabric._tools.bench_floors import floor_rows, round_trip_rows
 from kvfabric._tools.bench_measure import CONTAINS, BenchRow
@@ -35,7 +36,6 @@ from kvfabric._tools.bench_report import (
     size_name,
     targets,
 )
-from kvfabric.spi import shmem_huge_policy
 
 __all__ = ["BenchRow", "needed_capacity", "run_bench"]
 

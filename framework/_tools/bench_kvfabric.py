@@ -35,6 +35,8 @@ import attrs
 import numpy as np
 
 import kvfabric
+from kvfabric._plugins import plugin_manager
+from kvfabric._runtime.cpus import usable_cpus
 from kvfabric._tools.bench_measure import (
     CONTAINS,
     CONTROLLER_CPU,
@@ -55,8 +57,6 @@ from kvfabric._tools.bench_measure import (
 from kvfabric._tools.cluster import Cluster, image_server_pids
 from kvfabric.errors import PluginError
 from kvfabric.keys import chain_keys
-from kvfabric.spi.cpus import usable_cpus
-from kvfabric.spi.plugins import plugin_manager
 
 __all__ = [
     "LOOKUP_KEYS",

@@ -49,8 +49,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_plugins(args: argparse.Namespace) -> int:
     from importlib import import_module
 
+    from kvfabric._plugins import install_hint, installed_plugins, plugin_manager
     from kvfabric.spi.options import Plugin
-    from kvfabric.spi.plugins import install_hint, installed_plugins, plugin_manager
 
     manager = plugin_manager()
     rows = [("kind", "name", "status", "distribution", "entry point")]

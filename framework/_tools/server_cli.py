@@ -31,13 +31,12 @@ from kvfabric._node.agent import NodeAgent
 from kvfabric._node.capacity import check_capacity
 from kvfabric._node.membership import ControllerMembership, IndexMembership, Membership
 from kvfabric._node.node import DataNode
+from kvfabric._plugins import PluginOptions, group_plugin_options, plugin_manager
 from kvfabric._tools.endpoints import control_endpoint, listen_error
 from kvfabric._tools.metrics import MetricsServer, Scopes, ScopesCollector
 from kvfabric.errors import ConfigError, KvfabricError, TransportError
 from kvfabric.spi.backend import BackendConfig
 from kvfabric.spi.index import IndexConfig, IndexPlugin
-from kvfabric.spi.options import PluginOptions, group_plugin_options
-from kvfabric.spi.plugins import plugin_manager
 from kvfabric.spi.transport import TransportConfig, TransportServer
 from kvfabric.spi.units import format_size, parse_duration, parse_size
 

@@ -54,11 +54,11 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from kvfabric._runtime.codec import Reader, Writer
 from kvfabric._slots import slot_setters
 from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor, PackedDescriptors
 from kvfabric.errors import ProtocolError
 from kvfabric.keys import KEY_SIZE
-from kvfabric.spi.codec import Reader, Writer
 from kvfabric.spi.index import (
     MAX_ENDPOINTS,
     AllocateResult,
@@ -565,7 +565,7 @@ def read_error(r: Reader) -> tuple[int, str]:
 
 @attrs.frozen(kw_only=True)
 class ImageLocation:
-    """Where the index's lookup image is (:mod:`kvfabric.spi.image`), as ``IMAGE`` answers."""
+    """Where the index's lookup image is (:mod:`kvfabric._runtime.image`), as ``IMAGE`` answers."""
 
     image_id: int
     size: int

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
+from kvfabric._runtime.image import ImageStop, alternate_key, first_bad_key
 from kvfabric.descriptor import Descriptor, PackedDescriptors
 from kvfabric.indexes.memory_extents import MIN_RECORD, LeasedExtent
 from kvfabric.indexes.memory_image import MemoryImage, NoImage
@@ -58,7 +59,6 @@ from kvfabric.spi import (
     Copies,
     Extent,
     GrantRef,
-    ImageStop,
     IndexConfig,
     IndexPlugin,
     NodeEndpoint,
@@ -66,12 +66,10 @@ from kvfabric.spi import (
     OptionSpec,
     Region,
     Registry,
-    alternate_key,
     hookimpl,
     parse_size,
     record_size,
 )
-from kvfabric.spi.image import first_bad_key
 
 __all__ = ["MemoryIndex"]
 

@@ -4,7 +4,7 @@ The index keeps one from the start (unless its size is 0), served or not: it cal
 :meth:`MemoryImage.put` for every entry it publishes and :meth:`MemoryImage.remove` for every
 entry that leaves, under its own lock, so there is one writer, and answers lookups that reach
 it from the image too (:meth:`MemoryImage.prefix`, which also stamps each hit's use in memory
-of the index's own, :meth:`MemoryImage.last_use`). The format is :mod:`kvfabric.spi.image`'s;
+of the index's own, :meth:`MemoryImage.last_use`). The format is :mod:`kvfabric._runtime.image`'s;
 this module owns the memory and where each key sits.
 
 The memory is a memfd, like the ``dram`` backend's regions: a client on the same host maps
@@ -27,19 +27,19 @@ import os
 import secrets
 from collections.abc import Sequence
 
-from kvfabric.descriptor import Descriptor
-from kvfabric.spi import (
+from kvfabric._runtime.buffers import prefault_all
+from kvfabric._runtime.image import (
+    IMAGE_HEADER_SIZE,
     IMAGE_REGION,
     ImageGeometry,
     ImageStop,
-    MemoryKind,
-    Region,
     image_beat,
+    image_exists,
+    image_prefix,
     image_store,
-    new_rkey,
-    prefault_all,
 )
-from kvfabric.spi.image import IMAGE_HEADER_SIZE, image_exists, image_prefix
+from kvfabric.descriptor import Descriptor
+from kvfabric.spi import MemoryKind, Region, new_rkey
 
 __all__ = ["MemoryImage", "NoImage"]
 
@@ -127,7 +127,7 @@ class MemoryImage:
             image_store(self._view, home, None, count)
 
     def prefix(self, keys: Sequence[bytes], now: float) -> tuple[int, int, bytes]:
-        """The owner's own prefix probe, as :func:`~kvfabric.spi.image.image_prefix` answers:
+        """The owner's own prefix probe, as :func:`~kvfabric._runtime.image.image_prefix` answers:
         ``(hits, stop, wires)``; each hit's use is stamped ``now`` (see :meth:`last_use`).
         Called under the index's lock, so no bucket is being written and neither the CRCs
         nor the heartbeat need checking."""
@@ -142,7 +142,7 @@ class MemoryImage:
         )
 
     def exists(self, keys: Sequence[bytes], used_at: float | None = None) -> bytes:
-        """Each key's :class:`~kvfabric.spi.image.ImageStop` state (under the index's lock);
+        """Each key's :class:`~kvfabric._runtime.image.ImageStop` state (under the index's lock);
         with ``used_at``, each hit's use is stamped then."""
         return image_exists(
             self._view,

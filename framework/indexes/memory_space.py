@@ -22,7 +22,8 @@ from collections.abc import Callable
 
 import attrs
 
-from kvfabric.spi import SLOT_ALIGN, SlotAllocator
+from kvfabric._runtime.slots import SlotAllocator
+from kvfabric.spi import SLOT_ALIGN
 
 __all__ = ["Plan", "RegionSpace"]
 

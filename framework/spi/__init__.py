@@ -1,48 +1,34 @@
-"""The plugin interface: the one module transports, backends and indexes import.
+"""The plug-in contract: what a transport, backend or index implements and what it is handed.
 
-A plugin imports ``kvfabric.spi`` (and the public ``kvfabric`` API: errors, keys,
-descriptor) and nothing else; ruff enforces this for the built-in plugins. Here are the hook
-specifications and registries, the ``Transport``, ``Backend`` and ``Index`` base classes,
-the values that cross them, and the helpers a plugin needs (buffers, counters, wire codec,
-record format, slot allocator, sizes and durations, region prefaulting; and from
-``kvfabric.spi.native`` the batch CRC32C, copies, socket loops and prefaulting that take the
-GIL back once per batch). A transport's
-client subclasses ``PeerClient`` and writes only its primitives: the peer table, the
-segment checks (``plan_batch``; ``RegionTable`` on a server) and the error boundary
-(``map_exceptions``) are here, once.
+A plug-in imports this module and the public API (``kvfabric.errors``, ``kvfabric.keys``,
+``kvfabric.descriptor``) and nothing else. Every name here is documented in the guides
+(``docs/writing-a-transport.md``, ``docs/writing-a-backend.md``,
+``docs/writing-an-index.md``); what is not here (the native data path, the lookup image,
+the record codec) is kvfabric's own machinery, which built-in plug-ins share and third-party
+ones never need.
+
+- Registration: ``hookimpl`` marks a module's ``kvfabric_register_transports`` (or
+  ``_backends``, ``_indexes``) hook, which receives a ``Registry``.
+- Every plug-in class: ``Plugin`` (its name, ``OptionSpec`` options, availability), with
+  ``parse_bool``, ``parse_size``, ``parse_duration`` and ``format_size`` for options.
+- Transports: ``Transport`` with ``Capabilities``, a ``TransportServer`` that registers a
+  ``Region`` as a ``RegionHandle`` and a ``TransportClient`` that moves ``Segment`` lists
+  to and from a ``NodeEndpoint``; ``PeerClient`` is a client base that keeps the peer table
+  and checks segments (``plan_batch``, ``Batch``), ``RegionTable`` the server's check
+  (``SegmentStatus``), ``map_exceptions`` the error boundary.
+- Backends: ``Backend`` gives ``Region`` objects of a ``MemoryKind`` (``new_rkey``).
+- Indexes: ``IndexPlugin`` (an ``Index``) and the values that cross it.
+- Records: ``HEADER_SIZE``, ``SLOT_ALIGN`` and ``record_size`` (how many bytes a value
+  occupies in a slot); ``Counters`` for ``stats()``; ``byte_view`` for any buffer.
 """
 
 from __future__ import annotations
 
+from kvfabric._runtime.buffers import byte_view
 from kvfabric.spi.backend import Backend, BackendConfig, MemoryKind, Region, new_rkey
 from kvfabric.spi.boundary import SOCKET_ERRORS, ExceptionMapping, map_exceptions
-from kvfabric.spi.buffers import (
-    GIL_FREE_COPY_MIN,
-    address_of,
-    byte_view,
-    copy_into,
-    prefault_all,
-    writable_view,
-)
-from kvfabric.spi.codec import Reader, Writer
-from kvfabric.spi.counters import CLIENT_COUNTERS, Counters
-from kvfabric.spi.hooks import hookimpl, hookspec
-from kvfabric.spi.huge_pages import (
-    SHMEM_POLICY,
-    MappedPages,
-    advise_huge_pages,
-    mapped_pages,
-    policy_grants_advised,
-    shmem_huge_policy,
-)
-from kvfabric.spi.image import (
-    IMAGE_NODE,
-    IMAGE_REGION,
-    ImageGeometry,
-    ImageStop,
-    image_beat,
-    image_store,
-)
+from kvfabric.spi.counters import Counters
+from kvfabric.spi.hooks import hookimpl
 from kvfabric.spi.index import (
     AllocateResult,
     Allocation,
@@ -58,64 +44,12 @@ from kvfabric.spi.index import (
     IndexPlugin,
     NodeInfo,
     RegionInfo,
-    alternate_key,
 )
-from kvfabric.spi.native import (
-    GIL_RELEASE_MIN,
-    IOV_MAX,
-    SERVE_COUNTERS,
-    SERVE_MAX_COUNT,
-    Mutex,
-    PeerClosed,
-    ServeEnd,
-    copy_many,
-    crc32c_many,
-    gil_handoffs,
-    gil_reacquisitions,
-    prefault,
-    recv_into_all,
-    request_reply,
-    request_reply_lanes,
-    send_all,
-    send_checksummed,
-    serve_reads,
-    ucp_post,
-    ucp_wait,
-)
-from kvfabric.spi.options import (
-    OptionSpec,
-    Plugin,
-    PluginOptions,
-    group_plugin_options,
-    parse_bool,
-    parse_plugin_options,
-)
+from kvfabric.spi.options import OptionSpec, Plugin, parse_bool
 from kvfabric.spi.peers import PeerClient
-from kvfabric.spi.plugins import (
-    GROUPS,
-    InstalledPlugin,
-    PluginManager,
-    Registry,
-    installed_plugins,
-    plugin_manager,
-)
-from kvfabric.spi.record import (
-    FORMAT_VERSION,
-    HEADER_SIZE,
-    MAGIC,
-    SLOT_ALIGN,
-    Failure,
-    RecordHeader,
-    checksum,
-    checksum_pieces,
-    pack_header,
-    parse_header,
-    record_size,
-    validate_record,
-)
-from kvfabric.spi.record_scan import FoundRecord, ScanResult, scan_records
-from kvfabric.spi.segments import Batch, RegionTable, SegmentStatus, plan_batch, segment_status
-from kvfabric.spi.slots import SlotAllocator
+from kvfabric.spi.record import HEADER_SIZE, SLOT_ALIGN, record_size
+from kvfabric.spi.registry import Registry
+from kvfabric.spi.segments import Batch, RegionTable, SegmentStatus, plan_batch
 from kvfabric.spi.transport import (
     Capabilities,
     NodeEndpoint,
@@ -129,19 +63,7 @@ from kvfabric.spi.transport import (
 from kvfabric.spi.units import format_size, parse_duration, parse_size
 
 __all__ = [
-    "CLIENT_COUNTERS",
-    "FORMAT_VERSION",
-    "GIL_FREE_COPY_MIN",
-    "GIL_RELEASE_MIN",
-    "GROUPS",
     "HEADER_SIZE",
-    "IMAGE_NODE",
-    "IMAGE_REGION",
-    "IOV_MAX",
-    "MAGIC",
-    "SERVE_COUNTERS",
-    "SERVE_MAX_COUNT",
-    "SHMEM_POLICY",
     "SLOT_ALIGN",
     "SOCKET_ERRORS",
     "AllocateResult",
@@ -158,87 +80,35 @@ __all__ = [
     "Counters",
     "ExceptionMapping",
     "Extent",
-    "Failure",
-    "FoundRecord",
     "GrantRef",
-    "ImageGeometry",
-    "ImageStop",
     "Index",
     "IndexConfig",
     "IndexPlugin",
-    "InstalledPlugin",
-    "MappedPages",
     "MemoryKind",
-    "Mutex",
     "NodeEndpoint",
     "NodeInfo",
     "OptionSpec",
     "PeerClient",
-    "PeerClosed",
     "Plugin",
-    "PluginManager",
-    "PluginOptions",
-    "Reader",
-    "RecordHeader",
     "Region",
     "RegionHandle",
     "RegionInfo",
     "RegionTable",
     "Registry",
-    "ScanResult",
     "Segment",
     "SegmentStatus",
-    "ServeEnd",
-    "SlotAllocator",
     "Transport",
     "TransportClient",
     "TransportConfig",
     "TransportServer",
-    "Writer",
-    "address_of",
-    "advise_huge_pages",
-    "alternate_key",
     "byte_view",
-    "checksum",
-    "checksum_pieces",
-    "copy_into",
-    "copy_many",
-    "crc32c_many",
     "format_size",
-    "gil_handoffs",
-    "gil_reacquisitions",
-    "group_plugin_options",
     "hookimpl",
-    "hookspec",
-    "image_beat",
-    "image_store",
-    "installed_plugins",
     "map_exceptions",
-    "mapped_pages",
     "new_rkey",
-    "pack_header",
     "parse_bool",
     "parse_duration",
-    "parse_header",
-    "parse_plugin_options",
     "parse_size",
     "plan_batch",
-    "plugin_manager",
-    "policy_grants_advised",
-    "prefault",
-    "prefault_all",
     "record_size",
-    "recv_into_all",
-    "request_reply",
-    "request_reply_lanes",
-    "scan_records",
-    "segment_status",
-    "send_all",
-    "send_checksummed",
-    "serve_reads",
-    "shmem_huge_policy",
-    "ucp_post",
-    "ucp_wait",
-    "validate_record",
-    "writable_view",
 ]

@@ -1,9 +1,7 @@
-"""Thread-safe named counters for a client's ``stats()``.
+"""Thread-safe named counters: what a plugin counts for ``stats()`` and metrics.
 
-Failures are counted, not raised, on the read path: ``controller_unavailable`` (no answer in
-time), ``controller_errors`` (an error reply or a malformed reply), ``transport_failures``
-(a data node that could not be used for a batch), ``validation_failures`` (a landed record
-that did not match), ``put_failures`` and ``delete_failures``.
+A transport or an adapter makes one with the names it counts (``Counters(("bytes_read",
+"reads"))``), adds to them from any thread, and returns ``snapshot()`` from its ``stats()``.
 """
 
 from __future__ import annotations
@@ -11,40 +9,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-__all__ = ["CLIENT_COUNTERS", "Counters"]
-
-CLIENT_COUNTERS = (
-    "control_rpcs",
-    "lookups",
-    "prefix_hits",
-    "exists_calls",
-    "gets",
-    "get_hits",
-    "get_misses",
-    "prefetch_hits",
-    "payload_bytes_read",
-    "puts",
-    "stored",
-    "payload_bytes_written",
-    "dedup_hits",
-    "in_flight_skips",
-    "no_space",
-    "put_failures",
-    "late_writes_avoided",
-    "deletes",
-    "delete_failures",
-    "validation_failures",
-    "invalid_reported",
-    "refused_reads",
-    "transport_failures",
-    "controller_unavailable",
-    "controller_errors",
-    "evictions",
-)
+__all__ = ["Counters"]
 
 
 class Counters:
-    def __init__(self, names: Iterable[str] = CLIENT_COUNTERS) -> None:
+    """Named integer counters, every one starting at 0; safe to add to from any thread."""
+
+    def __init__(self, names: Iterable[str]) -> None:
         self._lock = threading.Lock()
         self._values = dict.fromkeys(names, 0)
 

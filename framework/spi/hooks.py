@@ -15,7 +15,7 @@ import pluggy
 if TYPE_CHECKING:
     from kvfabric.spi.backend import Backend
     from kvfabric.spi.index import IndexPlugin
-    from kvfabric.spi.plugins import Registry
+    from kvfabric.spi.registry import Registry
     from kvfabric.spi.transport import Transport
 
 __all__ = ["hookimpl", "hookspec"]

@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import abc
 import enum
-import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
 
+from kvfabric._runtime.codec import Reader, Writer
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import NotSupportedError, ProtocolError
 from kvfabric.spi.backend import Region
-from kvfabric.spi.codec import Reader, Writer
 from kvfabric.spi.options import Plugin
 from kvfabric.spi.transport import NodeEndpoint
 
@@ -45,7 +44,6 @@ __all__ = [
     "IndexPlugin",
     "NodeInfo",
     "RegionInfo",
-    "alternate_key",
 ]
 
 
@@ -127,7 +125,7 @@ class Extent:
     """A run of one region leased to one writer, which lays records into it itself.
 
     The writer carves records from ``offset`` on, in order, each at the next multiple of
-    :data:`~kvfabric.spi.record.SLOT_ALIGN` after the last, versions counting up from
+    :data:`~kvfabric._runtime.record.SLOT_ALIGN` after the last, versions counting up from
     ``first_version``; then one :meth:`Index.publish_carved` makes them readable. A put
     then costs one control round trip (the publish) where ``allocate`` + ``publish`` cost
     two, and the index places nothing per key. The lease works as a grant's: past it the
@@ -187,14 +185,6 @@ class Copies:
 
     descriptors: Sequence[Descriptor | None]
     alternates: Mapping[int, tuple[Descriptor, ...]] = attrs.field(factory=dict)
-
-
-def alternate_key(key: bytes, n: int) -> bytes:
-    """Where an index that keeps a lookup image files the ``n``-th other copy (n >= 1) of
-    ``key``'s value: a bucket of its own under this derived key, so the image keeps one
-    descriptor per bucket and lookups probe exactly what they did. A reader whose copy
-    failed probes it and puts ``key`` back into the descriptor it finds."""
-    return hashlib.blake2b(key, digest_size=32, person=b"kvf-alt%d" % n).digest()
 
 
 MAX_REGIONS = 4096
@@ -508,7 +498,7 @@ class IndexPlugin(Plugin, Index):
         that does not call it keeps every call as it was."""
 
     def lookup_image(self) -> Region | None:
-        """The index's lookup image (:mod:`kvfabric.spi.image`), kept up to date from this
+        """The index's lookup image (:mod:`kvfabric._runtime.image`), kept up to date from this
         call on; None when the index keeps none. A controller that serves the image asks
         once, registers it with its transport servers and tells clients where it is."""
         return None

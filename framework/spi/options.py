@@ -10,7 +10,7 @@ or defaulted, and never a string it has to check itself.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -20,8 +20,6 @@ from kvfabric.errors import ConfigError, PluginUnavailableError
 __all__ = [
     "OptionSpec",
     "Plugin",
-    "PluginOptions",
-    "group_plugin_options",
     "parse_bool",
     "parse_plugin_options",
 ]
@@ -76,21 +74,6 @@ def parse_plugin_options(
     return values
 
 
-def group_plugin_options(pairs: Iterable[str]) -> dict[str, dict[str, str]]:
-    """``["tcp.pool=4", "dram.x=1"]`` (command-line form) → ``{"tcp": {"pool": "4"}, ...}``."""
-    grouped: dict[str, dict[str, str]] = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        plugin, dot, option = name.strip().partition(".")
-        if not sep or not dot or not plugin or not option:
-            raise ConfigError(f"plugin options look like PLUGIN.OPTION=VALUE, got {pair!r}")
-        options = grouped.setdefault(plugin, {})
-        if option in options:
-            raise ConfigError(f"option {plugin}.{option} given twice")
-        options[option] = value
-    return grouped
-
-
 class Plugin:
     """What every plugin class declares as data, before any instance exists."""
 
@@ -118,29 +101,3 @@ class Plugin:
         """A :class:`PluginUnavailableError` carrying the install hint."""
         hint = f"; install it with: {cls.install_hint}" if cls.install_hint else ""
         return PluginUnavailableError(f"{cls.name}: {reason}{hint}")
-
-
-class PluginOptions:
-    """Users' ``NAME.OPTION`` settings, handed to each plugin as it is selected.
-
-    Whatever is left unclaimed once a store or node has chosen its plugins names a plugin
-    that is not in use: :meth:`check_all_claimed` refuses it, so a typo never passes silently.
-    """
-
-    def __init__(self, raw: Mapping[str, Mapping[str, str]] | None = None) -> None:
-        self._raw = {name: dict(options) for name, options in (raw or {}).items()}
-        self._claimed: set[str] = set()
-
-    def claim(self, plugin: type[Plugin]) -> dict[str, Any]:
-        """Every declared option of ``plugin``, parsed from the user's settings or defaulted."""
-        self._claimed.add(plugin.name)
-        return plugin.parse_options(self._raw.get(plugin.name, {}))
-
-    def check_all_claimed(self, where: str) -> None:
-        unclaimed = sorted(set(self._raw) - self._claimed)
-        if unclaimed:
-            in_use = ", ".join(sorted(self._claimed)) or "none"
-            raise ConfigError(
-                f"{where}: options given for {', '.join(unclaimed)}, which this {where} does "
-                f"not use (plugins in use: {in_use})"
-            )

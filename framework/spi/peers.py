@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import ClassVar, Generic, TypeVar
 
+from kvfabric._runtime.buffers import byte_view
 from kvfabric.errors import TransportError
 from kvfabric.spi.boundary import SOCKET_ERRORS, ExceptionMapping, map_exceptions
-from kvfabric.spi.buffers import byte_view
 from kvfabric.spi.segments import Batch, plan_batch
 from kvfabric.spi.transport import (
     NodeEndpoint,

@@ -15,8 +15,8 @@ import bisect
 import enum
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from kvfabric._runtime.native import crc32c_many
 from kvfabric.errors import TransportError
-from kvfabric.spi.native import crc32c_many
 from kvfabric.spi.transport import RegionHandle, Segment
 
 __all__ = ["Batch", "RegionTable", "SegmentStatus", "plan_batch", "segment_status"]

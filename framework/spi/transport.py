@@ -23,10 +23,10 @@ from typing import Any, ClassVar
 
 import attrs
 
+from kvfabric._runtime.codec import Reader, Writer
+from kvfabric._runtime.native import crc32c_many
 from kvfabric.errors import TransportError
 from kvfabric.spi.backend import MemoryKind, Region
-from kvfabric.spi.codec import Reader, Writer
-from kvfabric.spi.native import crc32c_many
 from kvfabric.spi.options import Plugin
 
 __all__ = [

@@ -7,8 +7,8 @@ a record lives, and the record I/O layer (``Store.records``) to move raw bytes o
 from __future__ import annotations
 
 from kvfabric import Store
+from kvfabric._runtime.record import HEADER_SIZE
 from kvfabric.descriptor import Descriptor
-from kvfabric.spi.record import HEADER_SIZE
 
 __all__ = ["corrupt_payload", "resolve_descriptor"]
 

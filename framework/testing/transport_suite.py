@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import kvfabric
+from kvfabric._plugins import plugin_manager
 from kvfabric.errors import ConfigError, TransportError, TransportTimeoutError
 from kvfabric.spi import (
     Capabilities,
@@ -36,7 +37,6 @@ from kvfabric.spi import (
     Transport,
     TransportClient,
     TransportConfig,
-    plugin_manager,
 )
 
 __all__ = [

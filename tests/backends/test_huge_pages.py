@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import os
 
-from kvfabric.spi import (
-    Backend,
-    BackendConfig,
+from kvfabric._plugins import PluginOptions, plugin_manager
+from kvfabric._runtime.huge_pages import (
     MappedPages,
-    PluginOptions,
     mapped_pages,
-    plugin_manager,
+    parse_smaps,
     policy_grants_advised,
     shmem_huge_policy,
 )
-from kvfabric.spi.huge_pages import parse_smaps
+from kvfabric.spi import Backend, BackendConfig
 
 _MIB = 1 << 20
 

@@ -10,14 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from kvfabric._plugins import PluginOptions, plugin_manager
+from kvfabric._runtime.huge_pages import policy_grants_advised
 from kvfabric.errors import ConfigError
-from kvfabric.spi import (
-    Backend,
-    BackendConfig,
-    PluginOptions,
-    plugin_manager,
-    policy_grants_advised,
-)
+from kvfabric.spi import Backend, BackendConfig
 from kvfabric.testing import Cluster
 
 _MIB = 1 << 20

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 
+from kvfabric._runtime.cpus import usable_cpus
 from kvfabric._tools.bench import run_bench
 from kvfabric._tools.bench_measure import (
     CONTAINS,
@@ -24,7 +25,6 @@ from kvfabric._tools.bench_measure import (
     RTT,
     STREAM,
 )
-from kvfabric.spi.cpus import usable_cpus
 
 _PEERS = ("mooncake", "infinistore")
 

@@ -17,9 +17,9 @@ import kvfabric
 from kvfabric import PutOutcome, Store
 from kvfabric._control.client import ControlClient
 from kvfabric._control.remote_index import RemoteIndex
+from kvfabric._runtime.image import IMAGE_NODE
 from kvfabric.keys import chain_keys
 from kvfabric.spi import Segment, TransportConfig
-from kvfabric.spi.image import IMAGE_NODE
 from kvfabric.testing import Cluster, free_port, wait_until_stopped
 from kvfabric.transports.tcp import TcpTransport
 

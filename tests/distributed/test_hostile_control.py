@@ -11,6 +11,7 @@ import zmq
 
 import kvfabric
 from kvfabric import PutOutcome
+from kvfabric._runtime.codec import Reader, Writer
 from kvfabric._wire.protocol import (
     ErrorCode,
     MsgType,
@@ -23,7 +24,6 @@ from kvfabric._wire.protocol import (
 )
 from kvfabric.keys import chain_keys
 from kvfabric.spi import AllocationRequest, NodeInfo, RegionInfo
-from kvfabric.spi.codec import Reader, Writer
 from kvfabric.testing import Cluster
 
 

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 
 import kvfabric
+from kvfabric._runtime.record import record_size
 from kvfabric._tools.cluster import Cluster
-from kvfabric.spi.record import record_size
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 

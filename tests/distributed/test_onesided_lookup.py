@@ -26,10 +26,10 @@ import kvfabric
 from kvfabric._client.image_reader import MAX_AGE
 from kvfabric._control.client import ControlClient
 from kvfabric._control.remote_index import RemoteIndex
+from kvfabric._runtime.image import IMAGE_BUCKET_SIZE, IMAGE_HEADER_SIZE, IMAGE_NODE, ImageGeometry
 from kvfabric._wire.protocol import ImageLocation
 from kvfabric.keys import chain_keys
-from kvfabric.spi import ImageGeometry, Segment, TransportConfig
-from kvfabric.spi.image import IMAGE_BUCKET_SIZE, IMAGE_HEADER_SIZE, IMAGE_NODE
+from kvfabric.spi import Segment, TransportConfig
 from kvfabric.testing import Cluster
 from kvfabric.transports.tcp import TcpTransport
 

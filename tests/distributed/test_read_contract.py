@@ -17,6 +17,7 @@ import zmq
 import kvfabric
 from kvfabric import PutOutcome
 from kvfabric._control.client import ControlClient, ControllerRefusedError, UnknownNodeError
+from kvfabric._runtime.codec import Writer
 from kvfabric._wire.protocol import (
     REPLY_BIT,
     ErrorCode,
@@ -25,7 +26,6 @@ from kvfabric._wire.protocol import (
     encode,
 )
 from kvfabric.keys import chain_keys
-from kvfabric.spi.codec import Writer
 from kvfabric.testing import free_port
 
 Reply = Callable[[int], bytes]

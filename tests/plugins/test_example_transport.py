@@ -15,9 +15,9 @@ import pytest
 
 import kvfabric
 from kvfabric import PutOutcome
+from kvfabric._plugins import plugin_manager
 from kvfabric.errors import ConfigError
 from kvfabric.keys import chain_keys
-from kvfabric.spi import plugin_manager
 from kvfabric.testing import Cluster, StoreConformance, TransportConformance
 
 # Settled counters wait for the node's next heartbeat (every 0.25 s); a bound only a

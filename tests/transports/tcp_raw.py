@@ -17,7 +17,8 @@ from collections.abc import Callable
 import attrs
 
 from kvfabric._node.node import DataNode
-from kvfabric.spi import BackendConfig, NodeEndpoint, PluginOptions, TransportConfig
+from kvfabric._plugins import PluginOptions
+from kvfabric.spi import BackendConfig, NodeEndpoint, TransportConfig
 from kvfabric.transports.tcp_auth import (
     GREETING_SIZE,
     HELLO_SIZE,

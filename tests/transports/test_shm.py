@@ -7,8 +7,9 @@ from collections.abc import Iterator
 import attrs
 import pytest
 
+from kvfabric._plugins import plugin_manager
 from kvfabric.errors import TransportError
-from kvfabric.spi import TransportConfig, plugin_manager
+from kvfabric.spi import TransportConfig
 from kvfabric.testing import Cluster, RegionServer, StoreConformance, TransportConformance
 
 

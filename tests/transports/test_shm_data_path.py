@@ -2,7 +2,7 @@
 times per batch, every record still validated, memory ready before the first put, and
 records landing payload first, header last.
 
-GIL returns are counted by ``kvfabric.spi.native`` in the calling thread; the stores here
+GIL returns are counted by ``kvfabric._runtime.native`` in the calling thread; the stores here
 are embedded (the index in this process, so a control call costs no native call) unless a
 test needs the node in a process of its own. Timings are printed, never asserted.
 """
@@ -24,6 +24,9 @@ import pytest
 
 import kvfabric
 from kvfabric import Store, chain_keys
+from kvfabric._plugins import plugin_manager
+from kvfabric._runtime import native
+from kvfabric._runtime.record import checksum
 from kvfabric.spi import (
     HEADER_SIZE,
     MemoryKind,
@@ -31,10 +34,7 @@ from kvfabric.spi import (
     Region,
     Segment,
     TransportConfig,
-    checksum,
-    native,
     new_rkey,
-    plugin_manager,
 )
 from kvfabric.testing import BusyThread, Cluster
 

@@ -23,12 +23,7 @@ from kvfabric import PutOutcome
 from kvfabric._node.node import DataNode
 from kvfabric.errors import TransportError
 from kvfabric.keys import chain_keys
-from kvfabric.spi import (
-    BackendConfig,
-    NodeEndpoint,
-    Segment,
-    TransportConfig,
-)
+from kvfabric.spi import BackendConfig, NodeEndpoint, Segment, TransportConfig
 from kvfabric.testing import (
     Cluster,
     RegionServer,

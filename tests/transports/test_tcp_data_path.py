@@ -3,7 +3,7 @@ times per batch, each read's CRCs taken as its bytes land, and replies no real n
 (error codes, unknown statuses, answers to another request, silence) handled as refusals,
 protocol errors and timeouts.
 
-GIL returns are counted by ``kvfabric.spi.native`` in the calling thread (a plain tcp
+GIL returns are counted by ``kvfabric._runtime.native`` in the calling thread (a plain tcp
 frame is one native call: the request, its reply and a read's payloads). Nodes run as real
 processes on 127.0.0.1 (``RegionServer``), or in this process where a test scripts their
 replies (``ScriptedNode``). Timings are printed, never asserted.
@@ -25,15 +25,10 @@ from tcp_raw import ENTRY, HEADER, PATIENT, Answer, ScriptedNode, frame
 import kvfabric
 from kvfabric import Store, chain_keys
 from kvfabric._client.record_io import LANE_MIN_BYTES
+from kvfabric._runtime import native
+from kvfabric._runtime.native import crc32c_many
 from kvfabric.errors import TransportError, TransportTimeoutError
-from kvfabric.spi import (
-    NodeEndpoint,
-    RegionHandle,
-    Segment,
-    TransportClient,
-    crc32c_many,
-    native,
-)
+from kvfabric.spi import NodeEndpoint, RegionHandle, Segment, TransportClient
 from kvfabric.testing import BusyThread, RegionServer, open_client, segment_for
 from kvfabric.transports.tcp_wire import MAX_COUNT, Code, Op
 

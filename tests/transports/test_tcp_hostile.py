@@ -34,8 +34,9 @@ from tcp_raw import (
 
 from kvfabric._control.security import Credentials
 from kvfabric._node.node import DataNode
+from kvfabric._runtime.native import SERVE_MAX_COUNT
 from kvfabric.errors import ConfigError, TransportError
-from kvfabric.spi import SERVE_MAX_COUNT, NodeEndpoint, Segment
+from kvfabric.spi import NodeEndpoint, Segment
 from kvfabric.testing import RegionServer, open_client, round_trip_works, segment_for
 from kvfabric.transports.tcp_auth import GREETING_SIZE, HELLO_SIZE
 from kvfabric.transports.tcp_wire import Code, Op

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from tcp_raw import local_endpoint, local_node
 
+from kvfabric._plugins import plugin_manager
 from kvfabric.errors import ConfigError
-from kvfabric.spi import TransportClient, TransportConfig, plugin_manager
+from kvfabric.spi import TransportClient, TransportConfig
 from kvfabric.testing import segment_for
 from kvfabric.transports import tcp_tuning
 from kvfabric.transports.tcp_tuning import (

@@ -28,17 +28,12 @@ import pytest
 
 import kvfabric
 from kvfabric import PutOutcome
+from kvfabric._plugins import plugin_manager
+from kvfabric._runtime.codec import Writer
+from kvfabric._runtime.native import gil_handoffs, gil_reacquisitions
 from kvfabric.errors import PluginUnavailableError, TransportError
 from kvfabric.keys import chain_keys
-from kvfabric.spi import (
-    NodeEndpoint,
-    Segment,
-    TransportConfig,
-    Writer,
-    gil_handoffs,
-    gil_reacquisitions,
-    plugin_manager,
-)
+from kvfabric.spi import NodeEndpoint, Segment, TransportConfig
 from kvfabric.testing import (
     Cluster,
     RegionServer,
@@ -244,8 +239,8 @@ def test_refused_segments_never_reach_the_node_and_it_keeps_serving(
 
 _READER = """
 import sys
-from kvfabric.spi.codec import Reader
-from kvfabric.spi.plugins import plugin_manager
+from kvfabric._runtime.codec import Reader
+from kvfabric._plugins import plugin_manager
 from kvfabric.spi.transport import NodeEndpoint, Segment, TransportConfig
 
 endpoint = NodeEndpoint.read_from(Reader(bytes.fromhex(sys.argv[1])))
@@ -459,7 +454,7 @@ def test_selecting_ucx_without_cffi_gives_the_install_hint() -> None:
         import sys
         sys.modules["cffi"] = None  # as if it were not installed
         from kvfabric.errors import PluginUnavailableError
-        from kvfabric.spi.plugins import plugin_manager
+        from kvfabric._plugins import plugin_manager
         import kvfabric.transports.ucx  # imports without its native dependencies
         try:
             plugin_manager().transport("ucx")

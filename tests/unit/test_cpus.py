@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfabric.spi.cpus import usable_cpus
+from kvfabric._runtime.cpus import usable_cpus
 from kvfabric.transports.tcp_tuning import parse_read_lanes
 
 AFFINITY = len(os.sched_getaffinity(0))

@@ -10,10 +10,10 @@ import struct
 
 import pytest
 
+from kvfabric._runtime.codec import Reader
 from kvfabric._wire import protocol as p
 from kvfabric.errors import ProtocolError
 from kvfabric.keys import fold_key
-from kvfabric.spi.codec import Reader
 from kvfabric.spi.index import CarvedRecord, CarveOutcome, Extent
 
 

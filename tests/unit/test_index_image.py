@@ -21,30 +21,24 @@ import pytest
 
 import kvfabric
 from kvfabric import PutOutcome, Store
-from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor, PackedDescriptors
-from kvfabric.indexes.memory import MemoryIndex
-from kvfabric.indexes.memory_image import MemoryImage
-from kvfabric.keys import chain_keys
-from kvfabric.spi import (
-    AllocationRequest,
-    GrantRef,
-    ImageGeometry,
-    ImageStop,
-    NodeInfo,
-    Region,
-    RegionInfo,
-    image_beat,
-)
-from kvfabric.spi.image import (
+from kvfabric._runtime.image import (
     IMAGE_BUCKET_SIZE,
     IMAGE_HEADER_SIZE,
     RING_ENTRY_SIZE,
+    ImageGeometry,
+    ImageStop,
     RingState,
     image_apply,
+    image_beat,
     image_exists,
     image_prefix,
     ring_pieces,
 )
+from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor, PackedDescriptors
+from kvfabric.indexes.memory import MemoryIndex
+from kvfabric.indexes.memory_image import MemoryImage
+from kvfabric.keys import chain_keys
+from kvfabric.spi import AllocationRequest, GrantRef, NodeInfo, Region, RegionInfo
 
 HIT, MISS, UNKNOWN, UNUSABLE = (
     ImageStop.HIT,

@@ -7,11 +7,11 @@ import struct
 
 import pytest
 
+from kvfabric._runtime.codec import Reader
 from kvfabric._wire import protocol as p
 from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor, PackedDescriptors
 from kvfabric.errors import ProtocolError
 from kvfabric.keys import KEY_SIZE, fold_key
-from kvfabric.spi.codec import Reader
 from kvfabric.spi.index import Copies
 
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 from manual_clock import Clock
 
+from kvfabric._runtime.record import record_size
 from kvfabric.indexes.memory import MemoryIndex
 from kvfabric.indexes.memory_space import RegionSpace
 from kvfabric.keys import fold_key
@@ -24,7 +25,6 @@ from kvfabric.spi.index import (
     NodeInfo,
     RegionInfo,
 )
-from kvfabric.spi.record import record_size
 from kvfabric.testing import IndexConformance, MakeIndex
 
 

@@ -11,11 +11,17 @@ import attrs
 import pytest
 from manual_clock import Clock
 
+from kvfabric._runtime.image import (
+    IMAGE_REGION,
+    ImageGeometry,
+    ImageStop,
+    alternate_key,
+    image_prefix,
+)
+from kvfabric._runtime.record import record_size
 from kvfabric.descriptor import Descriptor
 from kvfabric.indexes.memory import MemoryIndex
 from kvfabric.keys import fold_key
-from kvfabric.spi import IMAGE_REGION, ImageGeometry, ImageStop
-from kvfabric.spi.image import image_prefix
 from kvfabric.spi.index import (
     AllocationKind,
     AllocationRequest,
@@ -24,9 +30,7 @@ from kvfabric.spi.index import (
     IndexConfig,
     NodeInfo,
     RegionInfo,
-    alternate_key,
 )
-from kvfabric.spi.record import record_size
 
 
 def _key(n: int) -> bytes:

@@ -1,4 +1,4 @@
-"""kvfabric.spi.native: the batch CRC32C, copies and socket loops, and their GIL contract.
+"""kvfabric._runtime.native: the batch CRC32C, copies and socket loops, and their GIL contract.
 
 Real sockets on 127.0.0.1 and socketpairs; the busy thread is a real Python thread. The
 GIL contract is asserted as outcomes: a busy thread's counter advanced during a call, and
@@ -26,7 +26,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfabric.spi import buffers, checksum_pieces, native
+from kvfabric._runtime import buffers, native
+from kvfabric._runtime.record import checksum_pieces
 from kvfabric.testing import BusyThread
 
 # Around the edges of each pass's loops: 8-byte words, 32-byte registers, 128-byte folds,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfabric.spi.plugins import PluginManager, installed_plugins
+from kvfabric._plugins import PluginManager, installed_plugins
 
 _PLUGIN_MODULE = textwrap.dedent(
     '''
@@ -230,7 +230,7 @@ def test_a_plugin_that_failed_to_register_does_not_break_later_ones(plugin_dir: 
         plugin_dir,
         """
         import kvfabric
-        from kvfabric.spi import PluginManager
+        from kvfabric._plugins import PluginManager
         manager = PluginManager()
         try:
             manager.index("malformed")

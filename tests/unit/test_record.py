@@ -2,9 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
-from kvfabric.errors import ProtocolError, ValidationError
-from kvfabric.spi.record import (
+from kvfabric._runtime.record import (
     HEADER_SIZE,
     SLOT_ALIGN,
     Failure,
@@ -15,6 +13,8 @@ from kvfabric.spi.record import (
     record_size,
     validate_record,
 )
+from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
+from kvfabric.errors import ProtocolError, ValidationError
 
 KEY = bytes(range(32))
 OTHER = bytes(range(1, 33))

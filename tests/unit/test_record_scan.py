@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
+from kvfabric._runtime.record import HEADER_SIZE, MAGIC, checksum, pack_header, record_size
+from kvfabric._runtime.record_scan import scan_records
 from kvfabric.keys import fold_key
-from kvfabric.spi.record import HEADER_SIZE, MAGIC, checksum, pack_header, record_size
-from kvfabric.spi.record_scan import scan_records
 
 
 def _write(region: bytearray, offset: int, key: bytes, version: int, payload: bytes) -> None:

@@ -10,11 +10,11 @@ import struct
 
 import pytest
 
+from kvfabric._runtime.codec import Reader
 from kvfabric._wire import protocol as p
 from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
 from kvfabric.errors import ProtocolError
 from kvfabric.keys import fold_key
-from kvfabric.spi.codec import Reader
 from kvfabric.spi.index import AllocateResult, Allocation, AllocationKind, Copies
 
 

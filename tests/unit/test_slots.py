@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfabric.spi.slots import SlotAllocator
+from kvfabric._runtime.slots import SlotAllocator
 
 
 def test_allocates_until_full_then_refuses() -> None:

@@ -13,12 +13,12 @@ import pytest
 
 import kvfabric
 from kvfabric import PutOutcome
+from kvfabric._plugins import PluginManager
+from kvfabric._runtime.record import HEADER_SIZE, record_size
 from kvfabric.errors import ConfigError
 from kvfabric.indexes.memory import MemoryIndex
 from kvfabric.keys import chain_keys
 from kvfabric.spi import AllocateResult, AllocationRequest, Extent, hookimpl
-from kvfabric.spi.plugins import PluginManager
-from kvfabric.spi.record import HEADER_SIZE, record_size
 from kvfabric.testing import corrupt_payload
 
 

@@ -28,13 +28,13 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from kvfabric.spi.record import FORMAT_VERSION, HEADER_SIZE, MAGIC, SLOT_ALIGN, checksum
+from kvfabric._runtime.record import FORMAT_VERSION, HEADER_SIZE, MAGIC, SLOT_ALIGN, checksum
 
 __all__ = ["FOUND_DTYPE", "FoundRecord", "ScanResult", "scan_records"]
 
 _MAGIC_WORD = int.from_bytes(MAGIC, "little")
 _WORDS_PER_SLOT = SLOT_ALIGN // 4
-# The header's layout (see kvfabric.spi.record): magic, format, flags, key, version,
+# The header's layout (see kvfabric._runtime.record): magic, format, flags, key, version,
 # payload length, payload CRC32C, header CRC32C (over the first 60 bytes).
 _HEADER_DTYPE = np.dtype(
     [

@@ -1,4 +1,4 @@
-# Types of the C extension built from framework/spi/csrc (contracts: kvfabric.spi.native).
+# Types of the C extension built from csrc/ (contracts: kvfabric._runtime.native).
 from collections.abc import Sequence
 
 from _typeshed import FileDescriptorLike, ReadableBuffer, WriteableBuffer

@@ -1,4 +1,4 @@
-"""Plugin discovery, validation and selection by name.
+"""Plugin discovery and selection by name, and users' plugin options (the framework's side).
 
 Transports, backends, indexes and adapters are found through entry-point groups
 (``kvfabric.transports``, ``kvfabric.backends``, ``kvfabric.indexes``,
@@ -6,9 +6,8 @@ Transports, backends, indexes and adapters are found through entry-point groups
 third-party plugins. Selecting a name loads only that entry point, so choosing ``tcp``
 never imports UCX.
 
-A plugin is checked when it registers, as pluggy checks hook implementations: a class that
-is not a subclass of the right base, or that lacks a name, capabilities or well-formed
-options, fails at load with an error naming the plugin, the hook and what is wrong.
+A plugin is checked when it registers (``kvfabric.spi.Registry``). Plugins never import
+this module: they implement hooks and receive a registry.
 
 pluggy's ``load_setuptools_entrypoints`` registers a plugin under the bare entry-point name,
 so a transport and a backend of the same name would shadow each other; we load the single
@@ -19,30 +18,34 @@ from __future__ import annotations
 
 import difflib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import pluggy
 
-from kvfabric.errors import PluginError, PluginNotFoundError, PluginUnavailableError
+from kvfabric.errors import ConfigError, PluginError, PluginNotFoundError, PluginUnavailableError
 from kvfabric.spi import hooks
 from kvfabric.spi.backend import Backend
 from kvfabric.spi.index import IndexPlugin
-from kvfabric.spi.options import OptionSpec, Plugin
-from kvfabric.spi.transport import Capabilities, Transport
+from kvfabric.spi.options import Plugin
+from kvfabric.spi.registry import Kind, Registry
+from kvfabric.spi.transport import Transport
 
 __all__ = [
     "GROUPS",
     "InstalledPlugin",
     "PluginManager",
-    "Registry",
+    "PluginOptions",
+    "group_plugin_options",
+    "install_hint",
     "installed_plugins",
     "plugin_manager",
 ]
 
-Kind = Literal["transport", "backend", "index", "adapter"]
+P = TypeVar("P", bound=Plugin)
+
 GROUPS: dict[Kind, str] = {
     "transport": "kvfabric.transports",
     "backend": "kvfabric.backends",
@@ -61,66 +64,9 @@ _EXTRAS: dict[tuple[Kind, str], str] = {
     ),
 }
 
-P = TypeVar("P", bound=Plugin)
-
 
 def install_hint(kind: Kind, name: str) -> str:
     return _EXTRAS.get((kind, name), "")
-
-
-class Registry(Generic[P]):
-    """Name → plugin class of one kind, filled by the registration hooks and checked there."""
-
-    def __init__(self, kind: Kind, base: type[Plugin]) -> None:
-        # ``base`` is abstract, so it is typed as the root plugin class (mypy's type-abstract).
-        self.kind = kind
-        self.base = base
-        self._items: dict[str, type[P]] = {}
-        self._source = "a direct call"
-
-    def add(self, name: str, cls: type[P]) -> None:
-        """Register ``cls`` as ``name``; raises :class:`PluginError` if it is malformed."""
-        problem = _check_plugin_class(self.kind, self.base, name, cls)
-        if problem:
-            raise PluginError(
-                f"{self._source} registered {self.kind} {name!r} ({cls!r}), which {problem}"
-            )
-        known = self._items.get(name)
-        if known is not None and known is not cls:
-            raise PluginError(f"two {self.kind}s are registered as {name!r}: {known!r}, {cls!r}")
-        self._items[name] = cls
-
-    def get(self, name: str) -> type[P] | None:
-        return self._items.get(name)
-
-    def names(self) -> list[str]:
-        return sorted(self._items)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._items
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names())
-
-
-def _check_plugin_class(kind: Kind, base: type[Plugin], name: str, cls: Any) -> str:
-    """What is wrong with a plugin class, or "" when nothing is."""
-    if not isinstance(cls, type) or not issubclass(cls, base):
-        return f"is not a subclass of kvfabric.spi.{base.__name__}"
-    if getattr(cls, "name", None) != name:
-        return f"declares name {getattr(cls, 'name', None)!r} (must equal {name!r})"
-    options = getattr(cls, "options", ())
-    if not isinstance(options, tuple) or not all(isinstance(o, OptionSpec) for o in options):
-        return "declares options that are not a tuple of kvfabric.spi.OptionSpec"
-    if kind == "transport":
-        if not isinstance(getattr(cls, "capabilities", None), Capabilities):
-            return "declares no capabilities (a kvfabric.spi.Capabilities class attribute)"
-        if not isinstance(getattr(cls, "preference", None), int):
-            return "declares a preference that is not an int"
-    abstract = sorted(getattr(cls, "__abstractmethods__", ()))
-    if abstract:
-        return f"leaves abstract methods unimplemented: {', '.join(abstract)}"
-    return ""
 
 
 @attrs.frozen(kw_only=True)
@@ -306,3 +252,44 @@ def plugin_manager() -> PluginManager:
         if _default is None:
             _default = PluginManager()
         return _default
+
+
+def group_plugin_options(pairs: Iterable[str]) -> dict[str, dict[str, str]]:
+    """``["tcp.pool=4", "dram.x=1"]`` (command-line form) → ``{"tcp": {"pool": "4"}, ...}``."""
+    grouped: dict[str, dict[str, str]] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        plugin, dot, option = name.strip().partition(".")
+        if not sep or not dot or not plugin or not option:
+            raise ConfigError(f"plugin options look like PLUGIN.OPTION=VALUE, got {pair!r}")
+        options = grouped.setdefault(plugin, {})
+        if option in options:
+            raise ConfigError(f"option {plugin}.{option} given twice")
+        options[option] = value
+    return grouped
+
+
+class PluginOptions:
+    """Users' ``NAME.OPTION`` settings, handed to each plugin as it is selected.
+
+    Whatever is left unclaimed once a store or node has chosen its plugins names a plugin
+    that is not in use: :meth:`check_all_claimed` refuses it, so a typo never passes silently.
+    """
+
+    def __init__(self, raw: Mapping[str, Mapping[str, str]] | None = None) -> None:
+        self._raw = {name: dict(options) for name, options in (raw or {}).items()}
+        self._claimed: set[str] = set()
+
+    def claim(self, plugin: type[Plugin]) -> dict[str, Any]:
+        """Every declared option of ``plugin``, parsed from the user's settings or defaulted."""
+        self._claimed.add(plugin.name)
+        return plugin.parse_options(self._raw.get(plugin.name, {}))
+
+    def check_all_claimed(self, where: str) -> None:
+        unclaimed = sorted(set(self._raw) - self._claimed)
+        if unclaimed:
+            in_use = ", ".join(sorted(self._claimed)) or "none"
+            raise ConfigError(
+                f"{where}: options given for {', '.join(unclaimed)}, which this {where} does "
+                f"not use (plugins in use: {in_use})"
+            )

@@ -39,17 +39,17 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 try:
-    from kvfabric.spi import _native
+    from kvfabric._runtime import _native
 except ImportError as exc:  # pragma: no cover - a broken install
     raise ImportError(
-        "kvfabric's native module (kvfabric.spi._native) is not built: reinstall kvfabric "
+        "kvfabric's native module (kvfabric._runtime._native) is not built: reinstall kvfabric "
         "from source with a C compiler and Python's headers present (pip install .)"
     ) from exc
 
 if TYPE_CHECKING:
     from _typeshed import FileDescriptorLike, ReadableBuffer, WriteableBuffer
 
-    from kvfabric.spi._native import LaneArgs
+    from kvfabric._runtime._native import LaneArgs
 
 __all__ = [
     "CRC32C_PASS",
@@ -138,7 +138,7 @@ def copy_crc32c_with(
 def pack_headers(
     keys: Sequence[bytes], versions: Sequence[int], lengths: Sequence[int], crcs: Sequence[int]
 ) -> bytes:
-    """Record headers (:func:`kvfabric.spi.record.pack_header` each), back to back."""
+    """Record headers (:func:`kvfabric._runtime.record.pack_header` each), back to back."""
     return _native.pack_headers(keys, versions, lengths, crcs)
 
 
@@ -149,7 +149,7 @@ def crc32c_many(
     """One CRC32C per value: a buffer, or a sequence of pieces taken in order.
 
     ``initial``: per value, a CRC to continue from (default 0). Equal to
-    ``kvfabric.spi.checksum_pieces`` of each value, bit for bit.
+    ``kvfabric._runtime.record.checksum_pieces`` of each value, bit for bit.
     """
     return _native.crc32c_many(values, initial)
 

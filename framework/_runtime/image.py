@@ -66,12 +66,13 @@ two or three segments, whatever the number of keys — and applies them to its m
 the buckets would be. Entries are checked (number, CRC); a client that fell more than R
 rewrites behind copies the buckets again.
 
-The probes, the writer and the mirror's update are C (``kvfabric.spi._image``): a probe of
+The probes, the writer and the mirror's update are C (``kvfabric._runtime._image``): a probe of
 64 keys is a few microseconds and takes the GIL once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from collections.abc import Sequence
@@ -79,9 +80,9 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from kvfabric._runtime import _image
+from kvfabric._runtime.native import crc32c
 from kvfabric.errors import ProtocolError
-from kvfabric.spi import _image
-from kvfabric.spi.native import crc32c
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, WriteableBuffer
@@ -96,6 +97,7 @@ __all__ = [
     "ImageGeometry",
     "ImageStop",
     "RingState",
+    "alternate_key",
     "first_bad_key",
     "host_identity",
     "image_apply",
@@ -353,3 +355,11 @@ def host_identity() -> bytes:
             return f.read().strip()
     except OSError:
         return os.uname().nodename.encode()
+
+
+def alternate_key(key: bytes, n: int) -> bytes:
+    """Where an index that keeps a lookup image files the ``n``-th other copy (n >= 1) of
+    ``key``'s value: a bucket of its own under this derived key, so the image keeps one
+    descriptor per bucket and lookups probe exactly what they did. A reader whose copy
+    failed probes it and puts ``key`` back into the descriptor it finds."""
+    return hashlib.blake2b(key, digest_size=32, person=b"kvf-alt%d" % n).digest()

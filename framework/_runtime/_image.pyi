@@ -1,4 +1,4 @@
-# Types of the C extension built from framework/spi/csrc/image.c (contracts: kvfabric.spi.image).
+# Types of the C extension built from csrc/image.c (contracts: kvfabric._runtime.image).
 from collections.abc import Sequence
 
 from _typeshed import ReadableBuffer, WriteableBuffer

@@ -4,7 +4,7 @@ memory made ready before its first use.
 A memoryview slice assignment copies while holding the GIL; ``ctypes.memmove`` is a foreign
 call, so ctypes releases the GIL around it. Large copies go through it so other Python
 threads (the engine's event loop) keep running while bytes move. (Batches of copies go
-through ``kvfabric.spi.native.copy_many``, which releases it once for all of them.)
+through ``kvfabric._runtime.native.copy_many``, which releases it once for all of them.)
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from kvfabric.spi import native
-from kvfabric.spi.cpus import usable_cpus
+from kvfabric._runtime import native
+from kvfabric._runtime.cpus import usable_cpus
 
 __all__ = [
     "GIL_FREE_COPY_MIN",
@@ -88,9 +88,9 @@ def prefault_all(views: Sequence[memoryview], *, threads: int | None = None) -> 
     What a data node does to its regions at start (as registering memory for RDMA would):
     the first write into a fresh page otherwise traps per 4 KiB page, which made the first
     put into a fresh node run at a fraction of the speed of later ones (issue 12). Each
-    piece releases the GIL (:func:`kvfabric.spi.native.prefault`). ``threads``: at most this
+    piece releases the GIL (:func:`kvfabric._runtime.native.prefault`). ``threads``: at most this
     many (default: the CPUs this process may use, its cgroups' CPU quota included, up to 8:
-    :func:`kvfabric.spi.cpus.usable_cpus`; a container limited to 2 CPUs on a large host
+    :func:`kvfabric._runtime.cpus.usable_cpus`; a container limited to 2 CPUs on a large host
     gains nothing from 8 threads queued on them).
     """
     started = time.monotonic()

@@ -1,4 +1,4 @@
-/* kvfabric.spi._native: batch operations that take the GIL back once per batch.
+/* kvfabric._runtime._native: batch operations that take the GIL back once per batch.
  *
  * Why: a GIL released while bytes move is not enough. Each time a thread takes the GIL
  * back while another Python thread is busy, it waits out the interpreter's switch interval
@@ -318,7 +318,7 @@ static PyObject *py_crc32c_with(PyObject *self, PyObject *args) {
 }
 
 /* pack_headers(keys, versions, lengths, crcs) -> bytes: the 64-byte record headers of a
-   batch, back to back, in the layout of kvfabric.spi.record (magic "KVFR", format 1, flags 0,
+   batch, back to back, in the layout of kvfabric._runtime.record (magic "KVFR", format 1, flags 0,
    key, version, payload length, payload CRC32C, then the CRC32C of the 60 bytes before it).
    Packing them one by one in Python cost ~2 us a header, twice a write (placeholders, then
    with the CRCs), on the write's GIL-holding path. */
@@ -1566,7 +1566,7 @@ static PyMethodDef mutex_methods[] = {
 };
 
 static PyTypeObject MutexType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvfabric.spi._native.Mutex",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvfabric._runtime._native.Mutex",
     .tp_basicsize = sizeof(Mutex),
     .tp_dealloc = (destructor)mutex_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -1987,8 +1987,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "kvfabric.spi._native",
-    .m_doc = "Batch operations that take the GIL back once per batch (see kvfabric.spi.native).",
+    .m_name = "kvfabric._runtime._native",
+    .m_doc = "Batch operations that take the GIL back once per batch (see kvfabric._runtime.native).",
     .m_size = -1,
     .m_methods = methods,
 };
@@ -2006,7 +2006,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         return NULL;
     }
     PeerClosed = PyErr_NewExceptionWithDoc(
-        "kvfabric.spi._native.PeerClosed",
+        "kvfabric._runtime._native.PeerClosed",
         "The peer closed the connection before every byte arrived; `received` says how many "
         "did (in this call).",
         PyExc_ConnectionError, NULL);

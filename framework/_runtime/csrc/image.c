@@ -1,6 +1,6 @@
 /* The lookup image: the index's key -> descriptor hash table, read one-sided by clients.
  *
- * The layout is kvfabric.spi.image's (its docstring is the reference); in short, a 64-byte
+ * The layout is kvfabric._runtime.image's (its docstring is the reference); in short, a 64-byte
  * header, then buckets of 64 bytes, then a ring of 96-byte entries logging every bucket
  * rewrite (remote clients keep a mirror of the buckets and read only what changed):
  *
@@ -642,8 +642,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "kvfabric.spi._image",
-    .m_doc = "The lookup image's bucket writer and probes (see kvfabric.spi.image).",
+    .m_name = "kvfabric._runtime._image",
+    .m_doc = "The lookup image's bucket writer and probes (see kvfabric._runtime.image).",
     .m_size = -1,
     .m_methods = methods,
 };

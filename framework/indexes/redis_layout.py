@@ -14,6 +14,9 @@ home's node goes, the arena that held the second copy is the key's new home. A p
 from the arena's *identity* (node name, region, index in the region), not from its id: a node
 that comes back with the same regions gets the same keys back, and a new node takes over
 only the keys that now fall on its points.
+
+An *entry* (one Redis string per key, in its arena) starts with the key's descriptor in its
+wire form, so a lookup returns it as it is; :func:`alternates` reads the other copies it lists.
 """
 
 from __future__ import annotations
@@ -24,17 +27,23 @@ import hashlib
 import math
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 import attrs
 import numpy as np
 
+from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
 from kvfabric.errors import ConfigError
 
 __all__ = [
+    "ENTRY_HEAD",
+    "FOREIGN",
+    "PENDING",
+    "PUBLISHED",
     "SLOTS",
     "Arena",
     "Ring",
+    "alternates",
     "arena_prefix",
     "key_slot",
     "registry_key",
@@ -50,6 +59,13 @@ _POINTS_PER_GIB = 128
 _MIN_POINTS, _MAX_POINTS = 32, 2048
 # From this many keys a batch is placed with numpy (one search for all) rather than per key.
 _VECTOR_FROM = 32
+
+# An entry is its descriptor, then its state: 1 while its grant is being written, 3 when
+# its record lives in another arena (then the holder's id, 8 bytes); then its alternates.
+PENDING = 1
+PUBLISHED = 2
+FOREIGN = 3
+ENTRY_HEAD = DESCRIPTOR_SIZE + 5
 
 _tags: dict[int, str] = {}
 _tags_lock = threading.Lock()
@@ -99,6 +115,15 @@ def arena_prefix(namespace: str, arena: int) -> bytes:
 def version_bytes(version: int) -> bytes:
     """A version as the functions keep it: 8 opaque little-endian bytes."""
     return version.to_bytes(8, "little")
+
+
+def alternates(entry: bytes, nodes: Container[int]) -> tuple[Descriptor, ...]:
+    """The other copies an entry lists, those on ``nodes`` (the nodes still registered)."""
+    tail = entry[ENTRY_HEAD:]
+    if entry[DESCRIPTOR_SIZE] == FOREIGN:
+        tail = tail[8:]
+    usable = len(tail) - len(tail) % DESCRIPTOR_SIZE
+    return tuple(d for d in Descriptor.many_from_bytes(tail[:usable]) if d.node in nodes)
 
 
 @attrs.frozen(kw_only=True)

@@ -213,7 +213,8 @@ class ShardSet:
         if shard is None:
             host, port = address.rsplit(":", 1)
             # More threads than connections wait for one (up to the timeout) rather than fail.
-            pool = BlockingConnectionPool(
+            # (redis-py leaves this constructor unannotated.)
+            pool = BlockingConnectionPool(  # type: ignore[no-untyped-call]
                 host=host,
                 port=int(port),
                 max_connections=self._pool_size,

@@ -350,7 +350,7 @@ def test_a_node_done_restoring_is_listed_as_such_and_its_lost_arena_takes_grants
         assert [n.restoring for n in index.nodes()] == [False]
         assert [(n.id, n.incarnation) for n in index.nodes()] == [(node.id, node.incarnation)]
         client = redis_single.client(redis_single.servers[0].port)
-        [arena] = index._refresh().arenas.values()
+        [arena] = index._view.refresh().arenas.values()
         assert not arena.restoring
         lost = list(client.scan_iter(match=arena.prefix + b"*"))
         assert lost
@@ -380,17 +380,17 @@ def test_an_arena_made_from_the_old_registry_after_redis_restarted_empty_is_made
     port = redis_single.servers[0].port
     try:
         first.register_node(_node("n1", _MIB))
-        read = second._refresh
+        read = second._view.refresh
         before_restart: list[Any] = []
 
         def read_then_restart(*, force: bool = False) -> Any:
             view = read(force=force)
             before_restart.append(view)
             redis_single.restart(port)
-            monkeypatch.setattr(second, "_refresh", read)
+            monkeypatch.setattr(second._view, "refresh", read)
             return view
 
-        monkeypatch.setattr(second, "_refresh", read_then_restart)
+        monkeypatch.setattr(second._view, "refresh", read_then_restart)
         second.register_node(_node("n2", _MIB))  # its arena is made in the new, empty Redis
         [old_view] = before_restart
 
@@ -421,7 +421,7 @@ def test_an_arena_made_from_the_old_registry_after_redis_restarted_empty_is_made
         # The older registry's making of the id now given to n2's arena leaves it as it is.
         stale = [a for a in old_view.arenas.values() if a.node == again[1].id]
         assert stale
-        second._init_arenas(old_view, stale)
+        second._registry.init_arenas(old_view, stale)
         found = first.resolve(reported)
         assert [(d.node, d.offset, d.version) if d else None for d in found] == expected
         assert _put(first, _keys(8)) == [AllocationKind.GRANTED] * 8

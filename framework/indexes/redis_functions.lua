@@ -48,7 +48,7 @@ local PENDING, PUBLISHED, FOREIGN = 1, 2, 3
 local OCC_ENTRY, OCC_HOSTED = 0, 1
 local SAMPLE = 16       -- occupants sampled per eviction decision
 local SEEDS = 8         -- windows priced per put that does not fit (from the sample, and retired)
-local BATCH = 4000      -- keys per MGET inside one function (Lua's stack takes ~8000)
+local BATCH = 4000      -- keys per MGET inside one function (unpack is bounded by Lua's stack)
 local DROP_BATCH = 500  -- entries one call of kvf1_drop deletes (it blocks the server)
 
 local function fmt(n)
@@ -504,8 +504,8 @@ end
 
 -- ARGV: keys. Returns 1 and every key's entry as it is (nil where there is none): the
 -- client keeps the published ones and takes each one's descriptor, which the entry starts
--- with. Slicing and joining them here would double this function's cost (measured), and
--- Redis's single thread is the part every client shares.
+-- with. The client slices them, not this function: Redis's single thread is the part every
+-- client shares.
 local function lookup(keys, args)
   if redis.call('EXISTS', keys[1]) == 0 then return {false} end
   return {1, mget(string.sub(keys[1], 1, -2) .. 'e:', args, 1)}
@@ -532,9 +532,7 @@ end
 
 -- ARGV: lease_ms, grace_ms, headroom, then (key, length, slot size) per request.
 -- Returns 'ok', evictions, {kind per key}, {entry per key or ''}, {notices}.
-local function allocate(keys, args)
-  local a = open(keys, args[1], args[2], args[3])
-  if not a then return {'gone'} end
+local function allocate(a, args)
   local now, now_us = clock()
   upkeep(a, now)
   local notices, kinds, entries = {}, {}, {}
@@ -585,14 +583,11 @@ local function allocate(keys, args)
     entries[#entries + 1] = entry
   end
   keep_headroom(a, now, notices)
-  flush(a)
   return {'ok', a.d.evictions - evicted_before, kinds, entries, notices}
 end
 
 -- ARGV: (key, version, crc, alternates) per grant. Returns a flag per grant.
-local function publish(keys, args)
-  local a = open(keys)
-  if not a then return {'gone'} end
+local function publish(a, args)
   local out = {}
   for i = 1, #args, 4 do
     local key, ver = args[i], args[i + 1]
@@ -613,7 +608,6 @@ local function publish(keys, args)
       out[#out + 1] = 0
     end
   end
-  flush(a)
   return {'ok', out}
 end
 
@@ -657,9 +651,7 @@ local function link(keys, args)
 end
 
 -- ARGV: grace_ms, then (key, version) per grant.
-local function abort(keys, args)
-  local a = open(keys, '0', args[1], '0')
-  if not a then return {'gone'} end
+local function abort(a, args)
   local now = clock()
   for i = 2, #args, 2 do
     local key = args[i]
@@ -670,7 +662,6 @@ local function abort(keys, args)
       bump(a, 'aborted')
     end
   end
-  flush(a)
   return {'ok'}
 end
 
@@ -692,9 +683,7 @@ end
 -- (with that version, if given: then an entry with other copies keeps the key, its next
 -- copy promoted; an entry that only lists a copy of that version among its alternates drops
 -- it from the list). Returns 'ok', how many went (entries or listed copies), {notices}.
-local function unpublish(keys, args)
-  local a = open(keys, '0', args[1], '0')
-  if not a then return {'gone'} end
+local function unpublish(a, args)
   local now = clock()
   local removed, notices = 0, {}
   for i = 3, #args, 2 do
@@ -723,16 +712,12 @@ local function unpublish(keys, args)
     end
   end
   bump(a, args[2], removed)
-  flush(a)
   return {'ok', removed, notices}
 end
 
 -- ARGV: grace_ms. Lease expiry and retired slots coming back.
-local function tick(keys, args)
-  local a = open(keys, '0', args[1], '0')
-  if not a then return {'gone'} end
+local function tick(a, args)
   upkeep(a, clock())
-  flush(a)
   return {'ok'}
 end
 
@@ -777,7 +762,7 @@ end
 -- a newer one made is left as it is. An arena is made only on a clean slate: what a drop
 -- is still deleting is left to it (it sends the notices).
 local function init(keys, args)
-  -- A client before births were passed sends none: 0, older than any registry.
+  -- A caller that passes no birth counts as 0, older than any registry.
   args[10] = args[10] or '0'
   local born = tonumber(args[10])
   local p = string.sub(keys[1], 1, -2)
@@ -819,9 +804,7 @@ end
 
 -- ARGV: grace_ms, then (offset, key, version) per record this arena holds for an entry that
 -- lived in another arena and is gone: its slot retires.
-local function release_hosted(keys, args)
-  local a = open(keys, '0', args[1], '0')
-  if not a then return {'gone'} end
+local function release_hosted(a, args)
   local now = clock()
   for i = 2, #args, 3 do
     local oc = occ_get(a, tonumber(args[i]))
@@ -834,7 +817,6 @@ local function release_hosted(keys, args)
       end
     end
   end
-  flush(a)
   return {'ok'}
 end
 
@@ -842,9 +824,7 @@ end
 
 -- On the arena holding the records. ARGV: align, then (offset, size, key, home arena,
 -- version) per record. Returns a flag per record: its slot is claimed.
-local function claim(keys, args)
-  local a = open(keys)
-  if not a then return {'gone'} end
+local function claim(a, args)
   local now = clock()
   local align = tonumber(args[1])
   local out = {}
@@ -878,16 +858,13 @@ local function claim(keys, args)
       out[#out + 1] = 0
     end
   end
-  flush(a)
   return {'ok', out}
 end
 
 -- On each key's arena. ARGV: (key, node, region, rkey bytes, offset, length, version, crc,
 -- holding arena) per claimed record. A key already here (published or being written) is
 -- refused: a key found twice is kept once. Returns a flag per record: published.
-local function adopt(keys, args)
-  local a = open(keys)
-  if not a then return {'gone'} end
+local function adopt(a, args)
   local out = {}
   for i = 1, #args, 9 do
     local key, off, len = args[i], tonumber(args[i + 4]), tonumber(args[i + 5])
@@ -916,7 +893,6 @@ local function adopt(keys, args)
       out[#out + 1] = 1
     end
   end
-  flush(a)
   return {'ok', out}
 end
 
@@ -1154,6 +1130,28 @@ local function purge(keys, args)
   return 1
 end
 
+-- A function on one arena gets it opened (KEYS[1] is its meta hash) with the arguments, and
+-- its gauges and counters are written back after it ran; an arena that is not there
+-- (replaced, dropped, or not made yet) answers {'gone'}. `settings`: 'lease' when the
+-- arguments start with lease_ms, grace_ms and headroom (allocation), 'grace' when they start
+-- with grace_ms (the function retires slots).
+local function arena_function(name, body, settings)
+  redis.register_function(name, function(keys, args)
+    local a
+    if settings == 'lease' then
+      a = open(keys, args[1], args[2], args[3])
+    elseif settings == 'grace' then
+      a = open(keys, '0', args[1], '0')
+    else
+      a = open(keys)
+    end
+    if not a then return {'gone'} end
+    local reply = body(a, args)
+    flush(a)
+    return reply
+  end)
+end
+
 local function ro(name, callback)
   redis.register_function{function_name = name, callback = callback, flags = {'no-writes'}}
 end
@@ -1163,17 +1161,17 @@ ro('kvf1_exists', exists)
 ro('kvf1_stats', stats)
 ro('kvf1_registry', registry)
 ro('kvf1_silent', silent)
-redis.register_function('kvf1_allocate', allocate)
-redis.register_function('kvf1_publish', publish)
+arena_function('kvf1_allocate', allocate, 'lease')
+arena_function('kvf1_publish', publish)
 redis.register_function('kvf1_link', link)
-redis.register_function('kvf1_abort', abort)
-redis.register_function('kvf1_unpublish', unpublish)
-redis.register_function('kvf1_tick', tick)
+arena_function('kvf1_abort', abort, 'grace')
+arena_function('kvf1_unpublish', unpublish, 'grace')
+arena_function('kvf1_tick', tick, 'grace')
 redis.register_function('kvf1_init', init)
 redis.register_function('kvf1_drop', drop)
-redis.register_function('kvf1_release_hosted', release_hosted)
-redis.register_function('kvf1_claim', claim)
-redis.register_function('kvf1_adopt', adopt)
+arena_function('kvf1_release_hosted', release_hosted, 'grace')
+arena_function('kvf1_claim', claim)
+arena_function('kvf1_adopt', adopt)
 redis.register_function('kvf1_unclaim', unclaim)
 redis.register_function('kvf1_restore_done', restore_done)
 redis.register_function('kvf1_node_id', node_id)

@@ -9,7 +9,7 @@ from typing import Any, overload
 import attrs
 import numpy as np
 
-from kvfabric._slots import slot_setters
+from kvfabric._runtime.frozen import field_setters
 from kvfabric.errors import ProtocolError
 from kvfabric.keys import KEY_SIZE
 
@@ -126,7 +126,7 @@ class Descriptor:
 _new = object.__new__
 
 
-_SETTERS = slot_setters(
+_SETTERS = field_setters(
     Descriptor, "key", "node", "region", "offset", "length", "rkey", "version", "crc", "_wire"
 )
 

@@ -55,7 +55,7 @@ import attrs
 import numpy as np
 
 from kvfabric._runtime.codec import Reader, Writer
-from kvfabric._slots import slot_setters
+from kvfabric._runtime.frozen import field_setters
 from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor, PackedDescriptors
 from kvfabric.errors import ProtocolError
 from kvfabric.keys import KEY_SIZE
@@ -359,7 +359,7 @@ def read_allocate_result(r: Reader) -> AllocateResult:
 
 # Allocations without a descriptor carry nothing else: frozen, so one of each serves all.
 _BARE = {kind: Allocation(kind=kind) for kind in AllocationKind if kind not in _WITH_DESCRIPTOR}
-_SET_KIND, _SET_DESCRIPTOR, _SET_REPLICAS = slot_setters(
+_SET_KIND, _SET_DESCRIPTOR, _SET_REPLICAS = field_setters(
     Allocation, "kind", "descriptor", "replicas"
 )
 

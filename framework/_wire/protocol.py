@@ -335,9 +335,8 @@ def read_allocate_result(r: Reader) -> AllocateResult:
     evictions = r.u32()
     lease = r.u32() / 1000
     n = r.count(1, MAX_BATCH)
-    # Read in place (the frame is not sliced per field) and without attrs' keyword
-    # constructor, whose validators would cost more than the decode: every put decodes
-    # its grants here.
+    # Every put decodes its grants here: in place (the frame is not sliced per field) and
+    # without attrs' keyword constructor, whose validators would cost more than the decode.
     data = r.data
     allocations = []
     for _ in range(n):

@@ -37,7 +37,7 @@ from kvfabric.adapters.lmcache_hashing import warn_if_chunk_hashes_unshared
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ConfigError, PluginUnavailableError, ValueTooLargeError
 from kvfabric.keys import fold_key, namespace_bytes
-from kvfabric.options import parse_url
+from kvfabric.urls import parse_url
 
 # lmcache ships no type information (and is absent where only the linters run): its names
 # are Any to mypy either way.

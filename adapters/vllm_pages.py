@@ -106,7 +106,7 @@ class PagedKV:
             if layer.host_pages is not None:
                 # numpy, one memcpy per page: torch would split each page copy over its
                 # thread pool, whose threads vLLM pins to the cores the engine computes on,
-                # and a copy then waits for a busy core (measured: 4-8 ms per 64 KiB page).
+                # and a copy then waits for a busy core.
                 host_values = values.numpy()
                 for row, block_id in rows:
                     value = host_values[row, offset : offset + size].reshape(shape)

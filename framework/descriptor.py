@@ -9,7 +9,7 @@ from typing import Any, overload
 import attrs
 import numpy as np
 
-from kvfabric._slots import slot_setters
+from kvfabric._runtime.frozen import field_setters
 from kvfabric.errors import ProtocolError
 from kvfabric.keys import KEY_SIZE
 
@@ -95,8 +95,9 @@ class Descriptor:
         crc: int,
     ) -> Descriptor:
         """A descriptor whose fields are in range by construction (an index granting slots
-        of its own regions): the validators, ~5 µs a descriptor, are skipped. Anything from
-        a peer or a caller goes through the checked constructor."""
+        of its own regions): the validators are skipped, since an index builds one per grant
+        in every allocate and publish. Anything from a peer or a caller goes through the
+        checked constructor."""
         return _unchecked(None, key, node, region, offset, length, rkey, version, crc)
 
     def with_crc(self, crc: int) -> Descriptor:
@@ -126,7 +127,7 @@ class Descriptor:
 _new = object.__new__
 
 
-_SETTERS = slot_setters(
+_SETTERS = field_setters(
     Descriptor, "key", "node", "region", "offset", "length", "rkey", "version", "crc", "_wire"
 )
 
@@ -173,9 +174,9 @@ _CRC_FIELD = attrs.fields(Descriptor).crc
 
 class PackedDescriptors(Sequence[Descriptor]):
     """Descriptors kept in their wire forms, back to back, each decoded when it is asked
-    for: a lookup reply of 1,024 keys decoded whole cost ~1.5 ms of the client's Python,
-    while a lookup needs only their count and the prefetch cache keeps the wire forms
-    (a read decodes the few it takes)."""
+    for: a lookup needs only their count and the prefetch cache keeps the wire forms (a read
+    decodes the few it takes), so a long reply is never decoded whole in the client's
+    Python."""
 
     __slots__ = ("_count", "wires")
 

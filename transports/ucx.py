@@ -76,14 +76,13 @@ _CONTEXT_DEFAULTS = {
     "SYSV_ERROR_HANDLING": "y",
     # CMA copies happen inside the client's ucp_worker_progress(), by default one 512 KiB
     # segment per call. Each call drops the GIL, and taking it back from a busy Python thread
-    # can cost a switch interval (5 ms): a 64 x 4 MiB batch then fell to 0.25 GB/s next to a
-    # counting thread. Copying the whole batch in one call kept 2.1-2.3 GB/s there, and the
-    # same 4.5 GB/s alone.
+    # can cost a switch interval, so a large batch beside such a thread spends most of its
+    # time waiting for the GIL; with 64 MiB segments a get of up to that size is one call.
     "CMA_SEG_SIZE": "64M",
     "CMA_TX_QUOTA": "1024",
     # Over tcp UCX moves RMA data in messages of at most this size, each a progress round on
-    # the node: the default 8 KiB made 4 MiB gets 3-4x slower here. Both ends must agree
-    # (a sender's TX may not exceed its peer's RX), which they do unless a user sets one.
+    # the node, so the default 8 KiB makes a large get pay hundreds of rounds. Both ends must
+    # agree (a sender's TX may not exceed its peer's RX), which they do unless a user sets one.
     "TCP_TX_SEG_SIZE": "1M",
     "TCP_RX_SEG_SIZE": "1M",
 }

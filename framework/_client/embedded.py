@@ -30,10 +30,10 @@ from kvfabric._plugins import PluginManager, PluginOptions
 from kvfabric._runtime.image import ImageGeometry
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ConfigError, ControllerUnavailableError
-from kvfabric.options import EmbeddedOptions
 from kvfabric.spi.backend import BackendConfig
 from kvfabric.spi.index import IndexConfig, IndexPlugin
 from kvfabric.spi.transport import TransportConfig
+from kvfabric.urls import EmbeddedOptions
 
 __all__ = ["open_embedded"]
 

@@ -29,9 +29,9 @@ from kvfabric._control.remote_index import RemoteIndex
 from kvfabric._control.security import Credentials, load_secret
 from kvfabric._plugins import PluginManager, PluginOptions
 from kvfabric.errors import KvfabricError
-from kvfabric.options import RemoteOptions
 from kvfabric.spi.index import IndexConfig
 from kvfabric.spi.transport import Transport, TransportClient, TransportConfig
+from kvfabric.urls import RemoteOptions
 
 __all__ = ["open_remote"]
 

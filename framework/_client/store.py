@@ -65,7 +65,6 @@ from kvfabric.errors import (
     ValueTooLargeError,
 )
 from kvfabric.keys import KEY_SIZE
-from kvfabric.options import ClientOptions
 from kvfabric.spi.counters import Counters
 from kvfabric.spi.index import (
     AllocationKind,
@@ -77,6 +76,7 @@ from kvfabric.spi.index import (
     Index,
     IndexPlugin,
 )
+from kvfabric.urls import ClientOptions
 
 __all__ = ["PutOutcome", "Store"]
 

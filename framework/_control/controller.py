@@ -161,8 +161,8 @@ class Controller:
             context.term()
 
     def _loop(self, sock: zmq.Socket[bytes]) -> None:
-        # A plain poll loop, not asyncio: measured here, an asyncio ROUTER adds ~40 us to
-        # every round trip (100 us vs 58 us for a 2 KiB echo), and lookups are the hot path.
+        # A plain poll loop, not asyncio: an asyncio ROUTER adds its own scheduling to every
+        # round trip, and lookups are the hot path.
         next_tick = time.monotonic() + self.tick
         while not self._stopping.is_set():
             timeout = max(0, int((next_tick - time.monotonic()) * 1000))
@@ -337,9 +337,9 @@ class Controller:
 
         The index holds an object or more per entry (its entry, descriptors) for as long as
         the entry lives, and none of them form cycles. Python's full collections walk every
-        object, and one runs about once per quarter of the heap's growth: measured here,
-        317 ms at 256k entries and 258 ms stalls of an allocate, growing with the index,
-        towards a client's default 1 s timeout near a million entries. A frozen object is
+        object, and one runs about once per quarter of the heap's growth: a stall of every
+        request that grows with the index, towards a client's control timeout on a large
+        one. A frozen object is
         still freed when its last reference goes; only a cycle that became garbage after it
         outlived the young generations would be kept (the controller makes none that way).
         """

@@ -1,7 +1,7 @@
 """The lookup image served over a transport from a process of its own, not the controller.
 
 Over a transport that is not one-sided (``tcp``), a lookup's read of the image needs a CPU
-on the serving side: in the controller, ~40-60 us of its CPU per lookup, in threads that
+on the serving side: in the controller, that CPU would be taken per lookup by threads that
 share its GIL with allocations and publishes. :class:`ImageProcessServer` moves that work
 to a child process that maps the image read-only (the controller's memfd, opened by path)
 and runs the transport's own server against it; the controller's CPU does nothing per
@@ -43,8 +43,8 @@ __all__ = ["ImageProcessServer", "main"]
 
 log = logging.getLogger(__name__)
 
-# Starting the child imports kvfabric and the transport: ~0.3 s here; a loaded host may
-# take several times that.
+# Starting the child imports kvfabric and the transport, which a loaded host may take
+# seconds over.
 _START_TIMEOUT = 30.0
 _STATS_TIMEOUT = 1.0
 _STOP_TIMEOUT = 2.0

@@ -8,7 +8,7 @@ plane's key — so knowing the secret is the credential, and nothing else is exc
 The TCP data key never crosses the wire: the tcp transport proves it per connection with a
 challenge and response (``kvfabric.transports.tcp_auth``). A recorded handshake still lets
 an eavesdropper test guesses of the secret offline, so that key is derived with scrypt
-(2^14 rounds, 16 MiB: ~0.1 s, once per secret per process) rather than a fast hash; a
+(2^14 rounds, 16 MiB, paid once per secret per process) rather than a fast hash; a
 secret of 32 random bytes is out of reach either way (docs/security.md).
 """
 

@@ -3,7 +3,7 @@
 A capacity that cannot hold one record, more DRAM than this machine (or its container) has,
 or more regions than the process may hold file descriptors for, is refused with a line that
 says what to give instead, rather than failing halfway through allocation with a traceback
-(``--capacity 100TiB`` used to end in ``OSError: Too many open files``).
+(``--capacity 100TiB`` would otherwise end in ``OSError: Too many open files``).
 """
 
 from __future__ import annotations

@@ -86,8 +86,8 @@ def prefault_all(views: Sequence[memoryview], *, threads: int | None = None) -> 
     seconds it took.
 
     What a data node does to its regions at start (as registering memory for RDMA would):
-    the first write into a fresh page otherwise traps per 4 KiB page, which made the first
-    put into a fresh node run at a fraction of the speed of later ones (issue 12). Each
+    the first write into a fresh page otherwise traps per 4 KiB page, which makes the first
+    puts into a fresh node much slower than later ones. Each
     piece releases the GIL (:func:`kvfabric._runtime.native.prefault`). ``threads``: at most this
     many (default: the CPUs this process may use, its cgroups' CPU quota included, up to 8:
     :func:`kvfabric._runtime.cpus.usable_cpus`; a container limited to 2 CPUs on a large host

@@ -2,8 +2,9 @@
 
 Releasing the GIL while bytes move is not enough: every time a thread takes the GIL back
 while another Python thread is busy, it waits out the interpreter's switch interval (5 ms
-by default). A read that took it back per segment, per receive and per CRC piece ran 7-12x
-slower beside one busy thread (issue 12). Each function here takes all of its Python
+by default). A read that took it back per segment, per receive and per CRC piece would
+wait out that interval at each of them beside one busy thread. Each function here takes
+all of its Python
 objects while holding the GIL, checks every one of them (a refused batch moves nothing),
 releases the GIL once for the whole batch and takes it back once at the end. The only
 other returns are to run signal handlers when a signal interrupts a socket wait, so Ctrl-C
@@ -17,7 +18,7 @@ arrived), and release it at their first wait; larger ones release it at once. So
 takes the GIL back at most once, and not at all when it has nothing to wait for and
 little to move.
 
-The loops are C (``framework/spi/csrc``: plain C API with ``Py_buffer``, which pins and
+The loops are C (``framework/_runtime/csrc``: plain C API with ``Py_buffer``, which pins and
 exposes any buffer — bytes, bytearray, mmap, numpy, memoryview — and needs no run-time
 dependency, unlike cffi) built by setuptools at install. There is no pure-Python fallback:
 an install from source needs a C compiler and Python's headers, and without the built module
@@ -173,25 +174,20 @@ def copy_many(
     two passes (the portable table; a pair whose source and destination overlap), the
     default reads the CRC back from the destination (a read) and ``crc_of_source`` takes it
     from the source just before the copy (a write). With the ``"fold"`` pass
-    (:data:`CRC32C_PASS`) the CRC costs the copy nothing measurable: 64 x 4 MiB laid out as
-    a get lays them moved at 1.1-1.3x memcpy in C alone and at 0.9-1.0x numpy's copy through
-    this call (as fast as this call without CRCs), checksum included, against 0.65-0.75x for
-    the CRC32 instruction's passes on the same host (``"wide"``, 32-byte stores, had measured
-    0.93-1.2x on a host whose memcpy moved 5-6 GB/s, where ``"narrow"`` measured
-    0.68-0.93x). A pair of 1 MiB or more is stored non-temporally (no read of each
-    destination line first, no cache filled with it) where its destination is placed so
-    that this cannot stall the loads (see ``copy_crc32c_wide`` and ``streams_well`` in
-    ``csrc/crc32c.c``). The
-    stores of a call are ordered before those of any later call (a store fence ends a
-    non-temporal copy), so a writer that copies payloads first and their headers in a second
-    call lands them in that order.
+    (:data:`CRC32C_PASS`) the CRC adds nothing to the copy's time: a copy with its checksum
+    runs as fast as a plain one, where the CRC32 instruction's passes (``"wide"``, 32-byte
+    stores; ``"narrow"``) fall short of it. A pair of 1 MiB or more is stored
+    non-temporally (no read of each destination line first, no cache filled with it) where
+    its destination is placed so that this cannot stall the loads (see ``copy_crc32c_wide``
+    and ``streams_well`` in ``csrc/crc32c.c``). The stores of a call are ordered before
+    those of any later call (a store fence ends a non-temporal copy), so a writer that
+    copies payloads first and their headers in a second call lands them in that order.
 
     A batch of 8 MiB or more ends on a helper thread: once what is left should take no
     longer than the interpreter's switch interval, a helper copies the rest while this
     thread takes the GIL back, so the wait for the GIL beside a busy Python thread (about
-    one switch interval) overlaps the copy instead of following it
-    (:func:`gil_handoffs` counts these). A 64 x 4 MiB shm read beside a busy thread went
-    from a median 0.63-0.67x of its rate alone to 0.82-1.03x, alternated in one process.
+    one switch interval) overlaps the copy instead of following it, and a large read beside
+    a busy thread keeps most of the rate it has alone (:func:`gil_handoffs` counts these).
     """
     return _native.copy_many(pairs, crc_spans, crc_of_source)
 

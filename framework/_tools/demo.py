@@ -22,8 +22,8 @@ from kvfabric._node.capacity import check_capacity
 from kvfabric._plugins import plugin_manager
 from kvfabric._tools.progress import Progress
 from kvfabric.keys import chain_keys
-from kvfabric.options import EmbeddedOptions, parse_url
 from kvfabric.spi.units import format_size
+from kvfabric.urls import EmbeddedOptions, parse_url
 
 __all__ = ["DemoConfig", "DemoReport", "check_demo_store", "run_demo"]
 

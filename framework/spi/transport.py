@@ -184,8 +184,8 @@ class TransportClient(abc.ABC):
         image's header and log: a few KiB in two or three segments, into writable byte
         buffers). No CRCs are taken. Raises as :meth:`read` when the node
         cannot be used. This default is :meth:`read`; a transport whose read plans and
-        frames each batch in Python (``tcp``: ~20 us of a ~45 us image read) sends these as
-        one prepared frame instead.
+        frames each batch in Python (``tcp``), work that is most of a small read's time,
+        sends these as one prepared frame instead.
         """
         return not any(self.read(node, segments))
 

@@ -1,4 +1,4 @@
-"""Conformance tests every index plugin must pass (the built-in ``memory`` index passes them).
+"""Conformance tests every index plugin must pass (the built-in ``memory`` and ``redis`` pass them).
 
 An index plugin author subclasses :class:`IndexConformance` and overrides one fixture::
 

@@ -1,8 +1,11 @@
-"""Store URLs and their options.
+"""Store URLs and the client options they carry.
 
 A URL names where the store is and carries its options as query parameters:
-``embedded://?capacity=256MiB&transport=shm``. An unknown option, a bad value or an unknown
-scheme is a :class:`~kvfabric.errors.ConfigError` that says what is accepted.
+``embedded://?capacity=256MiB&transport=shm``: :class:`ClientOptions` for every client,
+:class:`EmbeddedOptions` and :class:`RemoteOptions` per scheme, and each plug-in's own
+``NAME.OPTION`` values, which the plug-in declares (``kvfabric.spi.OptionSpec``). An
+unknown option, a bad value or an unknown scheme is a :class:`~kvfabric.errors.ConfigError`
+that says what is accepted.
 """
 
 from __future__ import annotations

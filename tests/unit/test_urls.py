@@ -6,8 +6,8 @@ import pytest
 
 import kvfabric
 from kvfabric.errors import ConfigError
-from kvfabric.options import EmbeddedOptions, parse_url
 from kvfabric.spi.units import format_size, parse_duration, parse_size
+from kvfabric.urls import EmbeddedOptions, parse_url
 
 
 def test_embedded_url_options_are_parsed_and_typed() -> None:

@@ -1,14 +1,27 @@
-"""The counters every client keeps (``Store.stats()``).
+"""The counters every client keeps (``Store.stats()``), by group, and the one place they are made.
 
 Failures are counted, not raised, on the read path: ``controller_unavailable`` (no answer in
 time), ``controller_errors`` (an error reply or a malformed reply), ``transport_failures``
 (a data node that could not be used for a batch), ``validation_failures`` (a landed record
 that did not match), ``put_failures`` and ``delete_failures``.
+
+Lookups answered from the lookup image are ``onesided_lookups`` (no control RPC;
+``image_round_trips`` data-plane reads of it), those it could not fully answer
+``image_fallbacks`` (one control RPC each, in ``control_rpcs``); ``touch_rpcs`` counts the
+background use reports, which are not in ``control_rpcs``.
 """
 
 from __future__ import annotations
 
-__all__ = ["CLIENT_COUNTERS"]
+from kvfabric.spi.counters import Counters
+
+__all__ = [
+    "CLIENT_COUNTERS",
+    "EXTENT_COUNTERS",
+    "IMAGE_COUNTERS",
+    "REPLICA_COUNTERS",
+    "client_counters",
+]
 
 CLIENT_COUNTERS = (
     "control_rpcs",
@@ -38,3 +51,32 @@ CLIENT_COUNTERS = (
     "controller_errors",
     "evictions",
 )
+
+IMAGE_COUNTERS = (
+    "onesided_lookups",
+    "image_fallbacks",
+    "image_round_trips",
+    "image_unavailable",
+    "touch_rpcs",
+    "touch_failures",
+    "touches_dropped",
+)
+"""Lookups answered from the lookup image, counted apart from control RPCs, and the
+background use reports that tell the index of their hits."""
+
+REPLICA_COUNTERS = (
+    "replica_writes",
+    "replica_repairs",
+    "replica_reads",
+    "replica_hits",
+)
+"""Values kept on several nodes: copies written beyond each key's first (repairs of a
+stored key's lost copies among them), and reads that fell over to another copy."""
+
+EXTENT_COUNTERS = ("extent_leases", "carved_writes")
+"""Puts into extents leased from the index: leases, and records written into them."""
+
+
+def client_counters() -> Counters:
+    """A fresh set of every counter a store keeps, each at 0."""
+    return Counters((*CLIENT_COUNTERS, *IMAGE_COUNTERS, *REPLICA_COUNTERS, *EXTENT_COUNTERS))

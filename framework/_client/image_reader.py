@@ -12,9 +12,9 @@ it, one way per deployment:
   pseudo-node :data:`~kvfabric.spi.IMAGE_NODE`). The reader copies the buckets once, then
   per lookup lands the header and the ring entries logged since its cursor — one read of
   two or three segments, whatever the number of keys — applies them to its copy and probes
-  that. Reading each key's window instead cost a segment per key: with a transport that
-  does per-segment work on the server (``tcp`` today) a lookup of 64 keys took ~0.4 ms and
-  0.25 ms of the controller's CPU, as much as the RPC it replaced. The copy costs the image's
+  that, so a lookup's cost on the image's server does not grow with its keys (reading each
+  key's window would cost a segment per key, which a transport that works per segment on
+  the server, as ``tcp`` does, pays for in the controller's CPU). The copy costs the image's
   bucket bytes of memory (16 MiB by default) and one bulk read at connect (and again after
   falling a ring's length behind).
 

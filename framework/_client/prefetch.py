@@ -5,9 +5,9 @@ hits from recent lookups, and is a speed shortcut, never a source of truth: ever
 validated, and a descriptor that fails validation is dropped and resolved again.
 
 A lookup hands over its run of hits as one *batch* — its keys and their descriptors, as
-objects or, from the lookup image, as wire bytes — and pays nothing per key: a lookup from
-the image costs a few microseconds, and filling a dict and building a ``Descriptor`` per key
-would cost more than the lookup. The per-key work happens when a read takes them: batches
+objects or, from the lookup image, as wire bytes — and pays nothing per key: filling a dict
+and building a ``Descriptor`` per key would cost more than a lookup from the image itself.
+The per-key work happens when a read takes them: batches
 are indexed by key then (newest wins) and descriptors built from their wire form one at a
 time. A lookup that no read follows never pays for it.
 

@@ -4,19 +4,19 @@ It owns everything between "these descriptors" and "these values": routing (whic
 reaches which node, :mod:`~kvfabric._client.routes`), framing (a record is a header segment
 and one segment per payload piece, written once here for reads and writes alike), landing
 (nodes in parallel, one transport call per node, or a few at once for a large write to a
-transport with ``write_lanes``) and validation (magic, key, version,
-length, CRC32C). It never talks to the index: the store learns membership and hands it over
-with :meth:`RecordIO.set_nodes`.
+transport with ``write_lanes``) and validation (magic, key, version, length, CRC32C). It
+never talks to the index: the store learns membership and hands it over with
+:meth:`RecordIO.set_nodes`.
 
 Reads land straight in the caller's buffers (or in one fresh allocation per batch), writes
 gather straight from the caller's buffers. The GIL is taken back a bounded number of times
 per node batch, not per record or segment: every wait beside a busy Python thread costs a
-switch interval (5 ms), issue 12. So each node's records move in one transport call that
-also returns each payload's CRC32C (``read_checksummed`` / ``write_checksummed``: taken while
-the bytes move where the transport can, else in one native call for the batch), and the
-per-record work here (framing, header checks) is Python that keeps the GIL. Writes store
-every payload before any header. Failures are reported per record, never raised: the store
-turns them into misses and counters.
+switch interval. So each node's records move in one transport call that also returns each
+payload's CRC32C (``read_checksummed`` / ``write_checksummed``: taken while the bytes move
+where the transport can, else in one native call for the batch), and the per-record work
+here (framing, header checks) is Python that keeps the GIL. Writes store every payload
+before any header. Failures are reported per record, never raised: the store turns them
+into misses and counters.
 """
 
 from __future__ import annotations
@@ -287,9 +287,8 @@ class RecordIO:
     def _read_node(self, node: int, items: list[_Read]) -> int:
         """Land one node's records and validate them; returns payload bytes landed.
 
-        One transport call lands the batch with each payload's CRC32C. Landing in groups
-        with a validator thread overlapped CRC and transfer when the CRC was a second pass,
-        but each group cost the GIL back: the CRC now comes with the landing.
+        One transport call lands the batch with each payload's CRC32C, so the batch takes
+        the GIL back once and the payload is not read a second time to check it.
         """
         client = self._routes.client_for(node)
         segments: list[Segment] = []

@@ -1,0 +1,184 @@
+"""Writes: puts and deletes, and the outcomes callers see.
+
+A put checks its values (a value over ``max_value`` raises before anything moves), drops its
+keys from the prefetch cache, and stores them one of two ways: through extents this client
+holds, where the index leases them and this client reads its lookup image
+(:mod:`~kvfabric._client.carved_writes`); else with one ``allocate`` call in which the index
+places each key (*exists*: no bytes move; *in flight*: skipped; *grant*; *no space*), the
+writes of every granted copy, and one ``publish`` call for the copies that landed. Grants of
+keys with no copy published are given back. A writer held up for much of its lease writes
+nothing: a slot whose lease ran out may already hold another key's record. Failures of the
+index or of a data node are ``FAILED`` outcomes, counted, never raised.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvfabric._client.carved_writes import CarvedWrites
+from kvfabric._client.index_calls import IndexCalls
+from kvfabric._client.key_checks import check_keys
+from kvfabric._client.prefetch import PrefetchCache
+from kvfabric._client.put_outcome import PutOutcome
+from kvfabric._client.record_io import RecordIO, value_pieces
+from kvfabric._client.topology import Topology
+from kvfabric.descriptor import Descriptor
+from kvfabric.errors import ValueTooLargeError
+from kvfabric.spi.counters import Counters
+from kvfabric.spi.index import AllocationKind, AllocationRequest, GrantRef
+
+__all__ = ["Writes"]
+
+# A writer that used more than this share of its lease before writing gives the grants up.
+_LEASE_SHARE = 0.5
+
+_OUTCOME_OF = {
+    AllocationKind.EXISTS: PutOutcome.DEDUPLICATED,
+    AllocationKind.IN_FLIGHT: PutOutcome.IN_FLIGHT,
+    AllocationKind.NO_SPACE: PutOutcome.NO_SPACE,
+}
+
+
+class Writes:
+    """One store's puts and deletes; thread-safe."""
+
+    def __init__(
+        self,
+        *,
+        calls: IndexCalls,
+        topology: Topology,
+        records: RecordIO,
+        prefetch: PrefetchCache,
+        counters: Counters,
+        max_value: int,
+        carved: CarvedWrites | None,
+    ) -> None:
+        """``carved``: the put through extents, None where this client leases none."""
+        self._calls = calls
+        self._index = calls.index
+        self._topology = topology
+        self._records = records
+        self._prefetch = prefetch
+        self._counters = counters
+        self._max_value = max_value
+        self._carved = carved
+
+    def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[PutOutcome]:
+        """``Store.batched_put``."""
+        check_keys(keys)
+        if len(values) != len(keys):
+            raise ValueError(f"{len(values)} values for {len(keys)} keys")
+        if not keys:
+            return []
+        pieces = [value_pieces(v) for v in values]
+        lengths = [sum(p.nbytes for p in value) for value in pieces]
+        for i, length in enumerate(lengths):
+            if length > self._max_value:
+                raise ValueTooLargeError(
+                    f"value {i} has {length} bytes; this store takes at most "
+                    f"{self._max_value} (option max_value)"
+                )
+        self._prefetch.drop(keys)
+        self._counters.add("puts")
+        if self._carved is not None:
+            carved = self._carved.put(keys, pieces, lengths)
+            if carved is not None:
+                return carved
+        return self._put_allocated(keys, pieces, lengths)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """``Store.delete``."""
+        check_keys(keys)
+        self._prefetch.drop(keys)
+        if not keys:
+            return 0
+        self._counters.add("deletes")
+        removed = self._calls.ask(self._index.unpublish, keys)
+        if removed is None:
+            self._counters.add("delete_failures")
+            return 0
+        return removed
+
+    def _put_allocated(
+        self, keys: Sequence[bytes], pieces: Sequence[list[memoryview]], lengths: Sequence[int]
+    ) -> list[PutOutcome]:
+        """The put where the index places each key: allocate, write, publish."""
+        requests = [AllocationRequest(key=k, length=n) for k, n in zip(keys, lengths, strict=True)]
+        asked_at = time.monotonic()
+        result = self._calls.ask(self._index.allocate, requests)
+        if result is None:
+            self._counters.add("put_failures", len(keys))
+            return [PutOutcome.FAILED] * len(keys)
+        outcomes: list[PutOutcome] = []
+        # Every copy to write, as (key position, grant): a key's first copy first, then
+        # its replicas; for a stored key, the copies granted to repair it.
+        granted: list[tuple[int, Descriptor]] = []
+        for i, alloc in enumerate(result.allocations):
+            if alloc.kind is AllocationKind.GRANTED and alloc.descriptor is not None:
+                granted.append((i, alloc.descriptor))
+                outcomes.append(PutOutcome.STORED)
+            else:
+                outcomes.append(_OUTCOME_OF[alloc.kind])
+            granted += [(i, d) for d in alloc.replicas]
+        written: list[tuple[int, Descriptor]] = []
+        published: set[int] = set()
+        if granted and result.lease and time.monotonic() - asked_at > result.lease * _LEASE_SHARE:
+            # This writer was held up (paused, swapped out) for much of its lease: a slot
+            # whose lease ran out may already hold another key's record, so do not write.
+            self._counters.add("late_writes_avoided", len(granted))
+            failed = list(granted)
+        else:
+            written, failed, published = self._write(granted, pieces)
+        failed_keys = {
+            i for i, _ in granted if outcomes[i] is PutOutcome.STORED and i not in published
+        }
+        for i in failed_keys:
+            outcomes[i] = PutOutcome.FAILED
+        # A copy that did not land is dropped by the publish of its key's other copies;
+        # grants of keys with no copy published are given back.
+        giving_back = [d for i, d in failed if i not in published]
+        if giving_back:
+            self._calls.ask(self._index.abort, [GrantRef.of(d) for d in giving_back])
+        new_keys = {i for i, _ in written if result.allocations[i].kind is AllocationKind.GRANTED}
+        self._counters.update(
+            evictions=result.evictions,
+            stored=sum(o is PutOutcome.STORED for o in outcomes),
+            payload_bytes_written=sum(d.length for _, d in written),
+            dedup_hits=sum(o is PutOutcome.DEDUPLICATED for o in outcomes),
+            in_flight_skips=sum(o is PutOutcome.IN_FLIGHT for o in outcomes),
+            no_space=sum(o is PutOutcome.NO_SPACE for o in outcomes),
+            put_failures=len(failed_keys),
+            replica_writes=len(written) - len(new_keys),
+            replica_repairs=sum(1 for i, _ in written if i not in new_keys),
+        )
+        return outcomes
+
+    def _write(
+        self, granted: list[tuple[int, Descriptor]], pieces: Sequence[list[memoryview]]
+    ) -> tuple[list[tuple[int, Descriptor]], list[tuple[int, Descriptor]], set[int]]:
+        """Write the granted copies and publish those that landed: returns the copies
+        written, the copies not published (write or publish failed) and the positions of
+        the keys with a copy published."""
+        if not granted:
+            return [], [], set()
+        self._topology.learn({d.node for _, d in granted})
+        report = self._records.write([d for _, d in granted], [pieces[i] for i, _ in granted])
+        self._counters.add("transport_failures", report.failed_nodes)
+        if report.failed_nodes or any(crc is None for crc in report.crcs):
+            self._topology.relearn_after_failure()
+        written = [(g, crc) for g, crc in zip(granted, report.crcs, strict=True) if crc is not None]
+        failed = [g for g, crc in zip(granted, report.crcs, strict=True) if crc is None]
+        published: set[int] = set()
+        if written:
+            flags = self._calls.ask(
+                self._index.publish, [GrantRef.of(d, crc) for (_, d), crc in written]
+            )
+            ok = flags if flags is not None else [False] * len(written)
+            for (g, _), flag in zip(written, ok, strict=True):
+                if flag:
+                    published.add(g[0])
+                else:
+                    failed.append(g)
+        return [g for g, _ in written], failed, published

@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Callable
 
 import kvfabric
-from kvfabric._tools.cluster import Cluster
+from kvfabric._tools.local_cluster import LocalCluster
 from kvfabric.keys import chain_keys
 
 _SIZES = (16, 64, 256, 1024)
@@ -135,7 +135,7 @@ def main() -> int:
         return 0
 
     floor = _Floor()
-    with Cluster(nodes=1, transports=("tcp", "shm"), capacity="256MiB") as cluster:
+    with LocalCluster(nodes=1, transports=("tcp", "shm"), capacity="256MiB") as cluster:
         assert cluster.controller is not None
         pid = cluster.controller.popen.pid
         stores = {

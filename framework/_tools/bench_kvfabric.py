@@ -1,5 +1,6 @@
 """kvfabric's rows in ``kvfabric bench``: each transport against a controller and a data node of
-its own (real processes, ``kvfabric._tools.cluster.Cluster``), a client in this process.
+its own (real processes, :class:`kvfabric._tools.local_cluster.LocalCluster`), a client in this
+process.
 
 Per transport, in this order (a fresh node first, so its first puts meet untouched memory):
 
@@ -54,7 +55,7 @@ from kvfabric._tools.bench_measure import (
     beside_busy_process,
     median_seconds,
 )
-from kvfabric._tools.cluster import Cluster, image_server_pids
+from kvfabric._tools.local_cluster import LocalCluster, image_server_pids
 from kvfabric.errors import PluginError
 from kvfabric.keys import chain_keys
 
@@ -225,13 +226,13 @@ def transport_rows(name: str, plan: KvfabricPlan) -> list[BenchRow]:
     return rows
 
 
-def _cluster(transport: str, capacity: int, env: dict[str, str]) -> Cluster:
+def _cluster(transport: str, capacity: int, env: dict[str, str]) -> LocalCluster:
     """A controller and one node serving ``transport``; the controller serves its lookup
     image over it too where it can (it serves tcp and shm by default)."""
     args = ["--grace", "0s"]
     if transport not in ("tcp", "shm"):
         try:
-            return Cluster(
+            return LocalCluster(
                 nodes=1,
                 transports=(transport,),
                 capacity=str(capacity),
@@ -240,7 +241,7 @@ def _cluster(transport: str, capacity: int, env: dict[str, str]) -> Cluster:
             )
         except RuntimeError:
             pass  # a controller that cannot serve it: lookups as its default says
-    return Cluster(
+    return LocalCluster(
         nodes=1, transports=(transport,), capacity=str(capacity), controller_args=args, env=env
     )
 
@@ -252,7 +253,7 @@ def rpc_rows(plan: KvfabricPlan) -> tuple[list[BenchRow], str]:
     are RPCs already, and the transport rows say so).
     """
     try:
-        cluster = Cluster(
+        cluster = LocalCluster(
             nodes=1,
             transports=("tcp",),
             capacity=str(64 << 20),
@@ -264,7 +265,7 @@ def rpc_rows(plan: KvfabricPlan) -> tuple[list[BenchRow], str]:
         return _lookup_rows("kvfabric rpc", store, _controller_pid(cluster), plan), ""
 
 
-def _server_pids(cluster: Cluster) -> list[int]:
+def _server_pids(cluster: LocalCluster) -> list[int]:
     """The processes a client of ``cluster`` reads from: nodes, controller, image servers."""
     pids = [node.popen.pid for node in cluster.nodes if node is not None]
     controller = _controller_pid(cluster)
@@ -283,7 +284,7 @@ def _cores_busy(fn: Callable[[], object], seconds: float, servers: Sequence[int]
     return spent / (time.perf_counter() - started)
 
 
-def _controller_pid(cluster: Cluster) -> int:
+def _controller_pid(cluster: LocalCluster) -> int:
     assert cluster.controller is not None
     return cluster.controller.popen.pid
 

@@ -24,7 +24,7 @@ from kvfabric._tools.bench_measure import (
     BenchRow,
     median_seconds,
 )
-from kvfabric._tools.cluster import free_port
+from kvfabric._tools.local_cluster import free_port
 from kvfabric.errors import ConfigError
 
 __all__ = ["check_redis", "redis_rows"]

@@ -50,7 +50,7 @@ from kvfabric import PutOutcome, Store, chain_keys
 from kvfabric._plugins import plugin_manager
 from kvfabric._runtime import native
 from kvfabric._tools.bench_kvfabric import scoped_environ
-from kvfabric._tools.busy import BusyThread
+from kvfabric._tools.bench_timing import BusyThread
 from kvfabric._tools.local_cluster import LocalCluster
 from kvfabric.errors import PluginError
 from kvfabric.spi import parse_size

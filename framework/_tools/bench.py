@@ -26,7 +26,6 @@ from typing import IO
 from kvfabric._runtime.huge_pages import shmem_huge_policy
 from kvfabric._tools import bench_kvfabric as kv
 from kvfabric._tools.bench_floors import floor_rows, round_trip_rows
-from kvfabric._tools.bench_measure import CONTAINS, BenchRow
 from kvfabric._tools.bench_peers import PEERS, peers_python, run_peer
 from kvfabric._tools.bench_redis import check_redis, redis_rows
 from kvfabric._tools.bench_report import (
@@ -36,6 +35,8 @@ from kvfabric._tools.bench_report import (
     size_name,
     targets,
 )
+from kvfabric._tools.bench_row import BenchRow
+from kvfabric._tools.bench_timing import Phase
 
 __all__ = ["BenchRow", "needed_capacity", "run_bench"]
 
@@ -183,6 +184,10 @@ def _one_round(
             elif result.rows:
                 # Lookup notes name the call, in the lookups table; these say how it ran.
                 notes += sorted(
-                    {f"{name}: {r.note}" for r in result.rows if r.note and r.phase != CONTAINS}
+                    {
+                        f"{name}: {r.note}"
+                        for r in result.rows
+                        if r.note and r.phase != Phase.CONTAINS
+                    }
                 )
     return rows, problems, notes

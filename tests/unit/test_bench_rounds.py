@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import io
 
-from kvfabric._tools.bench_measure import READS_ALONE, READS_BUSY, BenchRow
 from kvfabric._tools.bench_report import Target, print_report, print_rounds_summary, targets
+from kvfabric._tools.bench_row import BenchRow
+from kvfabric._tools.bench_timing import Phase
 
 
 def _put(value: float | None, note: str = "") -> Target:
@@ -61,8 +62,8 @@ def test_a_target_never_measured_has_no_median_and_no_count() -> None:
 def _reads(system: str, cores: float | None, cpus: int | None) -> list[BenchRow]:
     common = {"system": system, "size": 4 << 20, "count": 64}
     return [
-        BenchRow(phase=READS_ALONE, seconds=0.05, cores=cores, cpus=cpus, **common),
-        BenchRow(phase=READS_BUSY, seconds=0.08, kept=0.9, **common),
+        BenchRow(phase=Phase.READS_ALONE, seconds=0.05, cores=cores, cpus=cpus, **common),
+        BenchRow(phase=Phase.READS_BUSY, seconds=0.08, kept=0.9, **common),
     ]
 
 

@@ -12,7 +12,14 @@ import sys
 from collections.abc import Sequence
 
 from kvfabric._tools.bench_cli import add_bench_arguments
-from kvfabric._tools.server_cli import HelpFormatter
+from kvfabric._tools.server_options import (
+    HelpFormatter,
+    add_controller_address,
+    add_secret_option,
+    add_server_commands,
+    add_shared_index_options,
+    add_timeout_option,
+)
 from kvfabric.errors import ControllerUnavailableError, KvfabricError
 
 __all__ = ["build_parser", "main"]
@@ -145,7 +152,7 @@ def _shared_index_stats(args: argparse.Namespace) -> dict[str, dict[str, int]]:
     """A shared index's counters (per shard for redis) and what it lists of each node,
     read from the index itself: there is no controller to ask. The nodes' own counters
     (bytes served, connections) are on each node's --metrics-port."""
-    from kvfabric._tools.server_cli import index_from_options
+    from kvfabric._tools.server_build import index_from_options
 
     index = index_from_options(args.index, args.index_opt)
     try:
@@ -218,8 +225,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plugins.set_defaults(func=_cmd_plugins)
 
-    from kvfabric._tools.server_cli import add_server_commands
-
     add_server_commands(sub)
 
     bench = sub.add_parser(
@@ -242,32 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
         "node: a table, Prometheus text (the same as --metrics-port serves) or JSON.",
         formatter_class=HelpFormatter,
     )
-    stats.add_argument(
-        "--controller",
-        default="127.0.0.1:7100",
-        metavar="HOST:PORT",
-        help="the controller's address (HOST:PORT, tcp://HOST:PORT or kvfabric://HOST:PORT)",
-    )
-    stats.add_argument(
-        "--index",
-        default=None,
-        metavar="NAME",
-        help="read a shared index directly instead of a controller (e.g. redis, with "
-        "--index-opt redis.url=redis://HOST:PORT)",
-    )
-    stats.add_argument(
-        "--index-opt",
-        action="append",
-        default=[],
-        metavar="NAME.OPTION=VALUE",
-        help="an option of the shared index (repeatable)",
-    )
-    stats.add_argument(
-        "--secret-file", default=None, help="shared secret (else $KVFABRIC_SECRET, if set)"
-    )
-    stats.add_argument(
-        "--timeout", default="2s", metavar="DURATION", help="bound on the controller's answer"
-    )
+    add_controller_address(stats, "127.0.0.1:7100")
+    add_shared_index_options(stats, "read")
+    add_secret_option(stats)
+    add_timeout_option(stats, "bound on the controller's answer")
     stats.add_argument(
         "--format",
         choices=("table", "prometheus", "json"),
@@ -285,7 +268,7 @@ class _DemoFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if hasattr(args, "log_level"):
-        from kvfabric._tools.server_cli import configure_logging
+        from kvfabric._tools.server_run import configure_logging
 
         configure_logging(args.log_level)
     try:

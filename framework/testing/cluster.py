@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -30,37 +29,17 @@ class Cluster(LocalCluster):
     """A controller plus ``nodes`` data nodes (or, with ``redis``, nodes sharing the redis
     index); :meth:`url` is what clients connect to."""
 
-    def __init__(
-        self,
-        *,
-        nodes: int = 1,
-        transports: Sequence[str] = ("tcp", "shm"),
-        capacity: str = "256MiB",
-        controller_args: Sequence[str] = (),
-        node_args: Sequence[str] = (),
-        env: dict[str, str] | None = None,
-        secret: bytes | None = None,
-        backend: str = "dram",
-        redis: str | None = None,
-        node_ttl: str = "2s",
-    ) -> None:
+    def __init__(self, *, redis: str | None = None, node_ttl: str = "2s", **options: Any) -> None:
         """``redis``: the URL of a Redis deployment whose ``redis`` index the nodes use
         instead of a controller (``node_ttl``: how long one may stay silent before whoever
-        ticks the index drops it). The other arguments are :class:`LocalCluster`'s."""
+        ticks the index drops it). ``options`` are :class:`LocalCluster`'s: ``nodes``,
+        ``transports``, ``capacity``, ``controller_args``, ``node_args``, ``env``, ``secret``
+        and ``backend``."""
         self.redis = redis
         self.namespace = f"c{uuid.uuid4().hex[:12]}" if redis else ""
         self.node_ttl = node_ttl
         self._index: Any = None
-        super().__init__(
-            nodes=nodes,
-            transports=transports,
-            capacity=capacity,
-            controller_args=controller_args,
-            node_args=node_args,
-            env=env,
-            secret=secret,
-            backend=backend,
-        )
+        super().__init__(**options)
 
     def _address(self) -> tuple[str, int]:
         if not self.redis:

@@ -9,7 +9,7 @@ hits) from this process, three ways:
 
 * ``shm`` — the image mapped read-only and probed in place (no system call);
 * ``tcp`` — the image read through the controller's tcp server (one data-plane round trip);
-* ``rpc`` — ``?lookup_image=0``: the control RPC every lookup used to be.
+* ``rpc`` — ``?lookup_image=0``: the control RPC, as where the index keeps no lookup image.
 
 and again back to back (one row's lookups repeated: caches warm, the best case).
 

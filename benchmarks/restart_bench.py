@@ -125,7 +125,7 @@ def put_get(url: str, repeat: int = 3) -> tuple[float, float]:
     """Median seconds of a first put and of a get of 64 x 4 MiB."""
     chunk = np.random.default_rng(0).bytes(4 << 20)
     # Into buffers allocated and touched once, as an engine's are: a get into fresh buffers
-    # times the allocator's page faults (0.4-4 GB/s from run to run here), not the store.
+    # times the allocator's page faults, which vary widely from run to run, not the store.
     into = [np.ones(4 << 20, dtype=np.uint8) for _ in range(64)]
     puts, gets = [], []
     for _ in range(repeat):

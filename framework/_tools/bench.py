@@ -12,8 +12,8 @@ process tree, on one workload (``count`` chunks per batch, of each size; medians
 - Mooncake Store and InfiniStore (:mod:`bench_peers`), where their venv is given, each in a
   private network namespace.
 
-Then the tables and issue 12's targets (:mod:`bench_report`). Nothing here is asserted:
-timings belong in a table, not in a test.
+Then the tables and the targets kvfabric is held to, each marked met or not
+(:mod:`bench_report`). Nothing here is asserted: timings belong in a table, not in a test.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The tables ``kvfabric bench`` prints, and issue 12's targets marked met or not.
+"""The tables ``kvfabric bench`` prints, and the targets kvfabric is held to, marked met or not.
 
 Four tables from one round's rows: data phases in GB/s per chunk size (systems side by side,
 the floors above them), lookups (time per call by keys per call, the path each took, the
@@ -59,7 +59,7 @@ class _Rows:
 
 @attrs.frozen
 class Target:
-    """One of issue 12's targets as one round measured it."""
+    """One target (a ratio or a time and its goal) as one round measured it."""
 
     label: str
     value: float | None
@@ -199,13 +199,13 @@ def _busy_table(found: _Rows, w: Write) -> None:
         "   GIL; thread/proc is the GIL's own share. cores: the CPU the reads kept busy alone,\n"
         "   client and servers together; room: what a host of "
         f"{cpus or '?'} CPUs can leave them beside a loop\n"
-        "   that takes one, min(1, (CPUs - 1) / cores). Where room is below a ratio, as for\n"
-        "   tcp's client and node on 2 cores, the host sets the ratio, not the GIL.)\n"
+        "   that takes one, min(1, (CPUs - 1) / cores). Where room is below a ratio, the host\n"
+        "   sets the ratio, not the GIL.)\n"
     )
 
 
 def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[Target]:
-    """Issue 12's targets, each measured ratio (or time) beside its goal."""
+    """The targets kvfabric is held to: each measured ratio (or time) beside its goal."""
     found = _Rows(rows)
     big, small = max(sizes), min(sizes)
     inf = "infinistore"
@@ -345,7 +345,7 @@ def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[
 
 
 def _targets(found: _Rows, sizes: Sequence[int], count: int, w: Write) -> None:
-    w("\ntargets (issue 12):\n")
+    w("\ntargets:\n")
     for target in targets(found.rows, sizes, count):
         label = f"{target.label} ({target.note})" if target.note else target.label
         goal = f"(goal {target.sign} {target.goal:g}{target.unit})"
@@ -361,7 +361,7 @@ def print_rounds_summary(rounds: Sequence[Sequence[Target]], out: IO[str]) -> No
     many rounds it was met. On a shared host one round can land in a slow spell that
     another misses; the median and the count say what holds across them."""
     w = out.write
-    w(f"\ntargets over {len(rounds)} rounds (issue 12): each round, median, rounds met\n")
+    w(f"\ntargets over {len(rounds)} rounds: each round, median, rounds met\n")
     labels: dict[str, Target] = {}
     for round_targets in rounds:
         for target in round_targets:

@@ -32,7 +32,7 @@ def test_each_target_shows_every_round_its_median_and_the_rounds_it_met() -> Non
             [_put(1.2), _contains(9.0)],
         ]
     )
-    assert lines[1] == "targets over 3 rounds (issue 12): each round, median, rounds met"
+    assert lines[1] == "targets over 3 rounds: each round, median, rounds met"
     put, contains = lines[2], lines[3]
     assert put.split("InfiniStore")[1].split() == [
         *("0.90", "1.10", "1.20", "1.10x"),

@@ -3,8 +3,8 @@
     python benchmarks/busy_thread_bench.py [--transports shm,tcp,ucx] [--count 64]
         [--size 4MiB] [--seconds 3] [--rounds 3] [--switch-interval-ms 5]
 
-Issue 12's measurement. Per transport, a controller and one data node (``kvfabric.testing``'s
-``Cluster``: the same processes an operator runs) and a client in this process. Each phase
+Per transport, a controller and one data node (``LocalCluster``: the same processes an
+operator runs) and a client in this process. Each phase
 runs in a loop for ``--seconds`` alone, then beside a thread running a pure-Python counting
 loop (an engine's scheduler or event loop, standing in), then beside the same loop in a
 process of its own (the CPU it takes, without the GIL):
@@ -50,8 +50,8 @@ from kvfabric import PutOutcome, Store, chain_keys
 from kvfabric._plugins import plugin_manager
 from kvfabric._runtime import native
 from kvfabric._tools.bench_kvfabric import scoped_environ
-from kvfabric._tools.busy import BusyThread
-from kvfabric._tools.cluster import Cluster
+from kvfabric._tools.bench_timing import BusyThread
+from kvfabric._tools.local_cluster import LocalCluster
 from kvfabric.errors import PluginError
 from kvfabric.spi import parse_size
 
@@ -164,7 +164,7 @@ def _keys(count: int) -> list[bytes]:
 def _store(transport: str, env: dict[str, str], capacity: int) -> Iterator[Store]:
     with (
         scoped_environ(env),
-        Cluster(
+        LocalCluster(
             nodes=1,
             transports=(transport,),
             capacity=str(capacity),

@@ -45,7 +45,7 @@ import crc32c
 import numpy as np
 
 from kvfabric._runtime import native
-from kvfabric._tools.busy import BusyProcess, BusyThread
+from kvfabric._tools.bench_timing import BusyProcess, BusyThread
 from kvfabric.spi import parse_size
 
 _REQUEST = struct.Struct("<QQ")  # count, size; (0, 0) ends the sender

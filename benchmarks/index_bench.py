@@ -22,7 +22,9 @@ and data-node processes. The parts:
 * ``memory`` — bytes per entry on a Redis master (``used_memory`` before and after storing
   ``--keys`` entries, with 1 and 2 copies per value).
 
-Needs redis-server on PATH and redis-py (``pip install 'kvfabric[redis]'``). Timings are
+Needs redis-server on PATH, redis-py (``pip install 'kvfabric[redis]'``) and the test extra
+(``'kvfabric[test]'``: the Redis deployments are the test suite's own, ``kvfabric.testing``'s
+``Cluster`` and ``tests/redis_servers.py``). Timings are
 medians over ``--repeat`` calls; on a busy machine they move, the ratios less.
 """
 
@@ -33,16 +35,16 @@ import functools
 import multiprocessing
 import os
 import statistics
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from kvfabric._control.client import ControlClient
 from kvfabric._control.remote_index import RemoteIndex
-from kvfabric._tools.cluster import Cluster
-from kvfabric._tools.redis_cluster import RedisDeployment
 from kvfabric.indexes.memory import MemoryIndex
 from kvfabric.indexes.redis import RedisIndex
 from kvfabric.keys import fold_key
@@ -56,6 +58,11 @@ from kvfabric.spi import (
     NodeInfo,
     RegionInfo,
 )
+from kvfabric.testing import Cluster
+
+# The test suite's redis-server processes (tests/redis_servers.py): started the same way here.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from redis_servers import RedisDeployment
 
 _VALUE = 1000
 _SIZES = (1, 8, 64, 256, 1024)

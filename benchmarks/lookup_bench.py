@@ -9,7 +9,7 @@ hits) from this process, three ways:
 
 * ``shm`` — the image mapped read-only and probed in place (no system call);
 * ``tcp`` — the image read through the controller's tcp server (one data-plane round trip);
-* ``rpc`` — ``?lookup_image=0``: the control RPC every lookup used to be.
+* ``rpc`` — ``?lookup_image=0``: the control RPC, as where the index keeps no lookup image.
 
 and again back to back (one row's lookups repeated: caches warm, the best case).
 
@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Callable
 
 import kvfabric
-from kvfabric._tools.cluster import Cluster
+from kvfabric._tools.local_cluster import LocalCluster
 from kvfabric.keys import chain_keys
 
 _SIZES = (16, 64, 256, 1024)
@@ -135,7 +135,7 @@ def main() -> int:
         return 0
 
     floor = _Floor()
-    with Cluster(nodes=1, transports=("tcp", "shm"), capacity="256MiB") as cluster:
+    with LocalCluster(nodes=1, transports=("tcp", "shm"), capacity="256MiB") as cluster:
         assert cluster.controller is not None
         pid = cluster.controller.popen.pid
         stores = {

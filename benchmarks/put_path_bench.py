@@ -21,7 +21,8 @@ import numpy as np
 
 import kvfabric
 from kvfabric import PutOutcome
-from kvfabric._tools.bench_kvfabric import WARM_UP_BYTES, _cluster, _keys, _values
+from kvfabric._tools.bench_kvfabric import _cluster, _keys, _values
+from kvfabric._tools.bench_timing import WARM_UP_BYTES
 
 _BATCH = 64
 

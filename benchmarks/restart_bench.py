@@ -33,7 +33,7 @@ import numpy as np
 
 import kvfabric
 from kvfabric._node.node import DataNode
-from kvfabric._tools.cluster import Cluster
+from kvfabric._tools.local_cluster import LocalCluster
 from kvfabric.indexes.memory import MemoryIndex
 from kvfabric.keys import chain_keys
 from kvfabric.spi import BackendConfig, IndexConfig, TransportConfig
@@ -46,7 +46,7 @@ def _keys(n: int, salt: str) -> list[bytes]:
 def controller_rebuild(count: int) -> tuple[float, float, float]:
     """(seconds until the index holds every entry again, until the old client hits, hit share)."""
     capacity = max(64 << 20, count * 256)
-    with Cluster(nodes=1, transports=("shm", "tcp"), capacity=f"{capacity}B") as cluster:
+    with LocalCluster(nodes=1, transports=("shm", "tcp"), capacity=f"{capacity}B") as cluster:
         url = cluster.url(retry_interval="100ms", control_timeout="5s", timeout="10s")
         with kvfabric.connect(url) as store:
             keys = _keys(count, "rebuild")
@@ -125,7 +125,7 @@ def put_get(url: str, repeat: int = 3) -> tuple[float, float]:
     """Median seconds of a first put and of a get of 64 x 4 MiB."""
     chunk = np.random.default_rng(0).bytes(4 << 20)
     # Into buffers allocated and touched once, as an engine's are: a get into fresh buffers
-    # times the allocator's page faults (0.4-4 GB/s from run to run here), not the store.
+    # times the allocator's page faults, which vary widely from run to run, not the store.
     into = [np.ones(4 << 20, dtype=np.uint8) for _ in range(64)]
     puts, gets = [], []
     for _ in range(repeat):

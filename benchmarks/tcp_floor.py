@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvfabric._runtime import native
-from kvfabric._tools.cluster import Cluster
+from kvfabric._tools.local_cluster import LocalCluster
 from kvfabric.spi.transport import NodeEndpoint, Segment, TransportClient, TransportConfig
 from kvfabric.transports.tcp import TcpTransport
 
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [(64, 4 << 20), (64, 256 << 10)]
     capacity = max(count * (_HEADER + size) for count, size in shapes)
     # A real node process (and its controller), as clients meet it; no test dependencies.
-    cluster = Cluster(nodes=1, transports=("tcp",), capacity=str(capacity))
+    cluster = LocalCluster(nodes=1, transports=("tcp",), capacity=str(capacity))
     info = cluster.node_infos()[0]
     endpoint = next(e for e in info.endpoints if e.transport == "tcp")
     raw = subprocess.Popen(

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvfabric._control.security import Credentials
-from kvfabric._tools.cluster import Cluster
+from kvfabric._tools.local_cluster import LocalCluster
 from kvfabric.spi.transport import NodeEndpoint, Segment, TransportClient, TransportConfig
 from kvfabric.transports.tcp import TcpTransport
 
@@ -49,7 +49,7 @@ def _certificate(directory: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-def _endpoint(cluster: Cluster) -> NodeEndpoint:
+def _endpoint(cluster: LocalCluster) -> NodeEndpoint:
     return next(e for e in cluster.node_infos()[0].endpoints if e.transport == "tcp")
 
 
@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         ]  # fmt: skip
         # Real node processes (and their controllers), as clients meet them.
         with (
-            Cluster(nodes=1, transports=("tcp",), capacity=capacity, secret=_SECRET) as plain,
-            Cluster(
+            LocalCluster(nodes=1, transports=("tcp",), capacity=capacity, secret=_SECRET) as plain,
+            LocalCluster(
                 nodes=1, transports=("tcp",), capacity=capacity, secret=_SECRET, node_args=tls_args
             ) as tls,
         ):

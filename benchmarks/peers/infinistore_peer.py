@@ -30,14 +30,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from peer_common import (
-    CONTAINS,
-    GET,
     GET_SAMPLES,
     LOOKUP_SAMPLES,
-    PUT_FRESH,
-    READS_ALONE,
-    READS_BUSY,
     WARM_UP_BYTES,
+    Phase,
     beside_busy,
     emit,
     median_seconds,
@@ -236,7 +232,7 @@ def main() -> None:
                 batches[size] = keys
 
             seconds = median_seconds(put, repeat, warm_up=False)
-            emit(SYSTEM, PUT_FRESH, size, count, seconds, how)
+            emit(SYSTEM, Phase.PUT_FRESH, size, count, seconds, how)
         for size in args.sizes:
             keys = batches[size]
             expected = src[: count * size].reshape(count, size)
@@ -265,11 +261,11 @@ def main() -> None:
 
             seconds = client.retrying(checked_get)
             note = client.note("a new array per key; two connections in turn")
-            emit(SYSTEM, GET, size, count, seconds, note)
+            emit(SYSTEM, Phase.GET, size, count, seconds, note)
             if size == biggest:
                 samples = max(repeat, LOOKUP_SAMPLES)
                 seconds = median_seconds(contains, samples)
-                emit(SYSTEM, CONTAINS, 0, count, seconds, "get_match_last_index")
+                emit(SYSTEM, Phase.CONTAINS, 0, count, seconds, "get_match_last_index")
 
                 def reads(get: Any = get, contains: Any = contains) -> None:
                     contains()
@@ -278,8 +274,8 @@ def main() -> None:
                 alone, beside, kept = client.retrying(
                     lambda reads=reads: beside_busy(reads, args.busy_seconds)
                 )
-                emit(SYSTEM, READS_ALONE, size, count, alone, client.note(""))
-                emit(SYSTEM, READS_BUSY, size, count, beside, client.note(""), kept)
+                emit(SYSTEM, Phase.READS_ALONE, size, count, alone, client.note(""))
+                emit(SYSTEM, Phase.READS_BUSY, size, count, beside, client.note(""), kept)
         client.close()
 
 

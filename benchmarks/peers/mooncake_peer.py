@@ -27,14 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from peer_common import (
-    CONTAINS,
-    GET,
     GET_SAMPLES,
     LOOKUP_SAMPLES,
-    PUT_FRESH,
-    READS_ALONE,
-    READS_BUSY,
     WARM_UP_BYTES,
+    Phase,
     beside_busy,
     emit,
     median_seconds,
@@ -178,7 +174,7 @@ def main() -> None:
                 batches[size] = keys
 
             seconds = median_seconds(put, repeat, warm_up=False)
-            emit(SYSTEM, PUT_FRESH, size, count, seconds)
+            emit(SYSTEM, Phase.PUT_FRESH, size, count, seconds)
         for size in args.sizes:
             keys = batches[size]
             into = [dst.ctypes.data + i * size for i in range(count)]
@@ -189,21 +185,21 @@ def main() -> None:
             def get(size: int = size, keys: list[str] = keys, into: list[int] = into) -> None:
                 _check(store.batch_get_into(keys, into, [size] * count), "batch_get_into", size)
 
-            emit(SYSTEM, GET, size, count, median_seconds(get, max(repeat, GET_SAMPLES)))
+            emit(SYSTEM, Phase.GET, size, count, median_seconds(get, max(repeat, GET_SAMPLES)))
             if not np.array_equal(dst[: count * size], src[: count * size]):
                 raise RuntimeError("Mooncake returned other bytes than were put")
             if size == biggest:
                 samples = max(repeat, LOOKUP_SAMPLES)
                 seconds = median_seconds(contains, samples)
-                emit(SYSTEM, CONTAINS, 0, count, seconds, "batch_is_exist")
+                emit(SYSTEM, Phase.CONTAINS, 0, count, seconds, "batch_is_exist")
 
                 def reads(get: Any = get, contains: Any = contains) -> None:
                     contains()
                     get()
 
                 alone, beside, kept = beside_busy(reads, args.busy_seconds)
-                emit(SYSTEM, READS_ALONE, size, count, alone)
-                emit(SYSTEM, READS_BUSY, size, count, beside, kept=kept)
+                emit(SYSTEM, Phase.READS_ALONE, size, count, alone)
+                emit(SYSTEM, Phase.READS_BUSY, size, count, beside, kept=kept)
         store.close()
 
 

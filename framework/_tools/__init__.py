@@ -1,1 +1,2 @@
-"""Command line and tooling: the CLI, server commands, demo, bench, stats output, test cluster."""
+"""Command line and tooling: the CLI, server commands, demo, bench, stats output, and the
+local cluster of real processes the bench measures against."""

@@ -29,8 +29,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--capacity",
-        help="memory of each server (kvfabric's node, Mooncake's, InfiniStore's; issue 12 "
-        "measured 2GiB); default and at least: what the fresh puts need",
+        help="memory of each server (kvfabric's node, Mooncake's, InfiniStore's); default and "
+        "at least: what the fresh puts need",
     )
     parser.add_argument(
         "--transports",

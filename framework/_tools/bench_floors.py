@@ -19,7 +19,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from kvfabric._tools.bench_measure import COPY, RTT, STREAM, BenchRow, median_seconds
+from kvfabric._tools.bench_row import BenchRow
+from kvfabric._tools.bench_timing import Phase, median_seconds
 
 __all__ = ["floor_rows", "round_trip_rows"]
 
@@ -98,7 +99,7 @@ def floor_rows(count: int, size: int, repeat: int) -> list[BenchRow]:
             np.copyto(dst, src)
 
     seconds = median_seconds(memcpy, max(repeat, _FLOOR_SAMPLES))
-    rows = [BenchRow(system="memcpy", phase=COPY, size=size, count=count, seconds=seconds)]
+    rows = [BenchRow(system="memcpy", phase=Phase.COPY, size=size, count=count, seconds=seconds)]
     target = np.ones(size * count, dtype=np.uint8).data
     with _floor_server(size) as conn:
 
@@ -110,7 +111,7 @@ def floor_rows(count: int, size: int, repeat: int) -> list[BenchRow]:
 
         seconds = median_seconds(stream, max(repeat, _FLOOR_SAMPLES))
     rows.append(
-        BenchRow(system="raw socket", phase=STREAM, size=size, count=count, seconds=seconds)
+        BenchRow(system="raw socket", phase=Phase.STREAM, size=size, count=count, seconds=seconds)
     )
     return rows
 
@@ -130,8 +131,10 @@ def round_trip_rows() -> list[BenchRow]:
         raw = median_seconds(round_trip, _RTT_SAMPLES)
     note = "2 KiB out, 64 B back"
     return [
-        BenchRow(system="raw socket", phase=RTT, size=2048, count=1, seconds=raw, note=note),
-        BenchRow(system="zeromq", phase=RTT, size=2048, count=1, seconds=_zmq_rtt(), note=note),
+        BenchRow(system="raw socket", phase=Phase.RTT, size=2048, count=1, seconds=raw, note=note),
+        BenchRow(
+            system="zeromq", phase=Phase.RTT, size=2048, count=1, seconds=_zmq_rtt(), note=note
+        ),
     ]
 
 

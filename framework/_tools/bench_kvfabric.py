@@ -1,5 +1,6 @@
 """kvfabric's rows in ``kvfabric bench``: each transport against a controller and a data node of
-its own (real processes, ``kvfabric._tools.cluster.Cluster``), a client in this process.
+its own (real processes, :class:`kvfabric._tools.local_cluster.LocalCluster`), a client in this
+process.
 
 Per transport, in this order (a fresh node first, so its first puts meet untouched memory):
 
@@ -37,24 +38,17 @@ import numpy as np
 import kvfabric
 from kvfabric._plugins import plugin_manager
 from kvfabric._runtime.cpus import usable_cpus
-from kvfabric._tools.bench_measure import (
-    CONTAINS,
-    CONTROLLER_CPU,
-    GET,
+from kvfabric._tools.bench_row import BenchRow
+from kvfabric._tools.bench_timing import (
     GET_SAMPLES,
-    PUT_FRESH,
-    PUT_WARM,
-    RE_PUT,
-    READS_ALONE,
-    READS_BUSY,
-    READS_BUSY_PROCESS,
+    LOOKUP_SAMPLES,
     WARM_UP_BYTES,
-    BenchRow,
+    Phase,
     beside_busy,
     beside_busy_process,
     median_seconds,
 )
-from kvfabric._tools.cluster import Cluster, image_server_pids
+from kvfabric._tools.local_cluster import LocalCluster, image_server_pids
 from kvfabric.errors import PluginError
 from kvfabric.keys import chain_keys
 
@@ -75,7 +69,6 @@ TRANSPORTS: dict[str, tuple[str, dict[str, str]]] = {
     "ucx": ("ucx", {"UCX_TLS": "sm"}),
 }
 LOOKUP_KEYS = (16, 64, 1024)
-_LOOKUP_SAMPLES = 300
 # Rounds of the controller-CPU measure; the least is kept (see _lookup_rows).
 _CPU_ROUNDS = 3
 # The lookup chain's values: a lookup's cost does not depend on them, only the count.
@@ -163,7 +156,9 @@ def transport_rows(name: str, plan: KvfabricPlan) -> list[BenchRow]:
             def fresh_put(size: int = size) -> None:
                 store.batched_put(_keys(count), values[size])
 
-            rows.append(row(PUT_FRESH, size, median_seconds(fresh_put, repeat, warm_up=False)))
+            rows.append(
+                row(Phase.PUT_FRESH, size, median_seconds(fresh_put, repeat, warm_up=False))
+            )
         _fill(store, plan.capacity)
         for size in plan.sizes:
             written: list[list[bytes]] = []
@@ -176,7 +171,7 @@ def transport_rows(name: str, plan: KvfabricPlan) -> list[BenchRow]:
             def put(size: int = size, written: list[list[bytes]] = written) -> None:
                 store.batched_put(written[-1], values[size])
 
-            rows.append(row(PUT_WARM, size, median_seconds(put, repeat, next_keys)))
+            rows.append(row(Phase.PUT_WARM, size, median_seconds(put, repeat, next_keys)))
             keys = written[-1]
             if store.batched_contains(keys) != count:
                 raise RuntimeError(f"{system}: a warm put was not stored")
@@ -188,7 +183,7 @@ def transport_rows(name: str, plan: KvfabricPlan) -> list[BenchRow]:
 
             rows.append(
                 row(
-                    GET,
+                    Phase.GET,
                     size,
                     median_seconds(
                         get, max(repeat, GET_SAMPLES), partial(store.batched_contains, keys)
@@ -201,7 +196,7 @@ def transport_rows(name: str, plan: KvfabricPlan) -> list[BenchRow]:
                 raise RuntimeError(f"{system}: a get returned other bytes than were put")
             rows.append(
                 row(
-                    RE_PUT,
+                    Phase.RE_PUT,
                     size,
                     median_seconds(partial(store.batched_put, keys, values[size]), repeat),
                 )
@@ -215,23 +210,23 @@ def transport_rows(name: str, plan: KvfabricPlan) -> list[BenchRow]:
 
                 alone, beside, kept = beside_busy(reads, plan.busy_seconds)
                 cores = _cores_busy(reads, plan.busy_seconds, _server_pids(cluster))
-                rows.append(row(READS_ALONE, size, alone, cores=cores, cpus=usable_cpus()))
-                rows.append(row(READS_BUSY, size, beside, kept=kept))
+                rows.append(row(Phase.READS_ALONE, size, alone, cores=cores, cpus=usable_cpus()))
+                rows.append(row(Phase.READS_BUSY, size, beside, kept=kept))
                 process = beside_busy_process(reads, plan.busy_seconds)
-                rows.append(row(READS_BUSY_PROCESS, size, process))
+                rows.append(row(Phase.READS_BUSY_PROCESS, size, process))
         rows += _lookup_rows(system, store, _controller_pid(cluster), plan)
         if store.stats()["validation_failures"]:
             raise RuntimeError(f"{system}: validation failures during the benchmark")
     return rows
 
 
-def _cluster(transport: str, capacity: int, env: dict[str, str]) -> Cluster:
+def _cluster(transport: str, capacity: int, env: dict[str, str]) -> LocalCluster:
     """A controller and one node serving ``transport``; the controller serves its lookup
     image over it too where it can (it serves tcp and shm by default)."""
     args = ["--grace", "0s"]
     if transport not in ("tcp", "shm"):
         try:
-            return Cluster(
+            return LocalCluster(
                 nodes=1,
                 transports=(transport,),
                 capacity=str(capacity),
@@ -240,7 +235,7 @@ def _cluster(transport: str, capacity: int, env: dict[str, str]) -> Cluster:
             )
         except RuntimeError:
             pass  # a controller that cannot serve it: lookups as its default says
-    return Cluster(
+    return LocalCluster(
         nodes=1, transports=(transport,), capacity=str(capacity), controller_args=args, env=env
     )
 
@@ -252,7 +247,7 @@ def rpc_rows(plan: KvfabricPlan) -> tuple[list[BenchRow], str]:
     are RPCs already, and the transport rows say so).
     """
     try:
-        cluster = Cluster(
+        cluster = LocalCluster(
             nodes=1,
             transports=("tcp",),
             capacity=str(64 << 20),
@@ -264,7 +259,7 @@ def rpc_rows(plan: KvfabricPlan) -> tuple[list[BenchRow], str]:
         return _lookup_rows("kvfabric rpc", store, _controller_pid(cluster), plan), ""
 
 
-def _server_pids(cluster: Cluster) -> list[int]:
+def _server_pids(cluster: LocalCluster) -> list[int]:
     """The processes a client of ``cluster`` reads from: nodes, controller, image servers."""
     pids = [node.popen.pid for node in cluster.nodes if node is not None]
     controller = _controller_pid(cluster)
@@ -283,7 +278,7 @@ def _cores_busy(fn: Callable[[], object], seconds: float, servers: Sequence[int]
     return spent / (time.perf_counter() - started)
 
 
-def _controller_pid(cluster: Cluster) -> int:
+def _controller_pid(cluster: LocalCluster) -> int:
     assert cluster.controller is not None
     return cluster.controller.popen.pid
 
@@ -315,14 +310,16 @@ def _lookup_rows(
     if store.batched_contains(chain) != len(chain):
         raise RuntimeError(f"{system}: the lookup chain was not stored")
     rows = []
-    samples = max(plan.repeat, _LOOKUP_SAMPLES)
+    samples = max(plan.repeat, LOOKUP_SAMPLES)
     for n in counts:
         keys = chain[:n]
         before = store.stats()
         seconds = median_seconds(partial(store.batched_contains, keys), samples)
         path = _path(before, store.stats(), samples + 1)
         rows.append(
-            BenchRow(system=system, phase=CONTAINS, size=0, count=n, seconds=seconds, note=path)
+            BenchRow(
+                system=system, phase=Phase.CONTAINS, size=0, count=n, seconds=seconds, note=path
+            )
         )
     keys = chain[: plan.count]
     # The controller's own CPU, and apart from it that of the processes it serves its
@@ -357,7 +354,7 @@ def _lookup_rows(
     rows.append(
         BenchRow(
             system=system,
-            phase=CONTROLLER_CPU,
+            phase=Phase.CONTROLLER_CPU,
             size=0,
             count=len(keys),
             seconds=controller_cost,

@@ -22,12 +22,11 @@ from pathlib import Path
 import attrs
 
 import kvfabric
-from kvfabric._tools.bench_measure import BenchRow
+from kvfabric._tools.bench_row import BenchRow
+from kvfabric._tools.bench_timing import ROW_MARKER, UNAVAILABLE_MARKER
 
 __all__ = ["PEERS", "PeerResult", "peers_python", "run_peer"]
 
-ROW_MARKER = "KVFABRIC_BENCH_ROW "
-UNAVAILABLE_MARKER = "KVFABRIC_BENCH_UNAVAILABLE "
 # Per peer: its script and how to install it into the peers' venv.
 PEERS: dict[str, tuple[str, str]] = {
     "mooncake": (

@@ -15,21 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from kvfabric._tools.bench_measure import (
-    CONTAINS,
-    GET,
-    GET_SAMPLES,
-    PUT_FRESH,
-    RE_PUT,
-    BenchRow,
-    median_seconds,
-)
-from kvfabric._tools.cluster import free_port
+from kvfabric._tools.bench_row import BenchRow
+from kvfabric._tools.bench_timing import GET_SAMPLES, LOOKUP_SAMPLES, Phase, median_seconds
+from kvfabric._tools.local_cluster import free_port
 from kvfabric.errors import ConfigError
 
 __all__ = ["check_redis", "redis_rows"]
-
-_LOOKUP_SAMPLES = 300
 
 
 def check_redis() -> None:
@@ -112,7 +103,7 @@ def _rows(client: Any, count: int, size: int, repeat: int) -> list[BenchRow]:
     def row(phase: str, seconds: float, n: int = count) -> BenchRow:
         return BenchRow(system="redis", phase=phase, size=size, count=n, seconds=seconds)
 
-    rows = [row(PUT_FRESH, median_seconds(put, repeat, fresh_keys))]
+    rows = [row(Phase.PUT_FRESH, median_seconds(put, repeat, fresh_keys))]
     keys = batches[-1]
 
     def contains() -> None:
@@ -128,7 +119,7 @@ def _rows(client: Any, count: int, size: int, repeat: int) -> list[BenchRow]:
         got = pipe.execute()
         assert all(g is not None for g in got)
 
-    rows.append(row(CONTAINS, median_seconds(contains, max(repeat, _LOOKUP_SAMPLES))))
-    rows.append(row(GET, median_seconds(get, max(repeat, GET_SAMPLES))))
-    rows.append(row(RE_PUT, median_seconds(put, repeat)))
+    rows.append(row(Phase.CONTAINS, median_seconds(contains, max(repeat, LOOKUP_SAMPLES))))
+    rows.append(row(Phase.GET, median_seconds(get, max(repeat, GET_SAMPLES))))
+    rows.append(row(Phase.RE_PUT, median_seconds(put, repeat)))
     return rows

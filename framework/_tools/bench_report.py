@@ -1,4 +1,4 @@
-"""The tables ``kvfabric bench`` prints, and issue 12's targets marked met or not.
+"""The tables ``kvfabric bench`` prints, and the targets kvfabric is held to, marked met or not.
 
 Four tables from one round's rows: data phases in GB/s per chunk size (systems side by side,
 the floors above them), lookups (time per call by keys per call, the path each took, the
@@ -15,27 +15,14 @@ from typing import IO
 
 import attrs
 
-from kvfabric._tools.bench_measure import (
-    CONTAINS,
-    CONTROLLER_CPU,
-    COPY,
-    GET,
-    PUT_FRESH,
-    PUT_WARM,
-    RE_PUT,
-    READS_ALONE,
-    READS_BUSY,
-    READS_BUSY_PROCESS,
-    RTT,
-    STREAM,
-    BenchRow,
-)
+from kvfabric._tools.bench_row import BenchRow
+from kvfabric._tools.bench_timing import Phase
 
 __all__ = ["Target", "print_report", "print_rounds_summary", "size_name", "targets"]
 
 _PEERS = ("redis", "mooncake", "infinistore")
 _KVFABRIC = ("kvfabric tcp", "kvfabric shm", "kvfabric ucx")
-_DATA_PHASES = (PUT_FRESH, PUT_WARM, GET, RE_PUT)
+_DATA_PHASES = (Phase.PUT_FRESH, Phase.PUT_WARM, Phase.GET, Phase.RE_PUT)
 Write = Callable[[str], object]
 
 
@@ -72,7 +59,7 @@ class _Rows:
 
 @attrs.frozen
 class Target:
-    """One of issue 12's targets as one round measured it."""
+    """One target (a ratio or a time and its goal) as one round measured it."""
 
     label: str
     value: float | None
@@ -129,8 +116,8 @@ def _cell(text: str, width: int = 13) -> str:
 
 
 def _data_table(found: _Rows, systems: list[str], size: int, count: int, w: Write) -> None:
-    memcpy = found.find("memcpy", COPY, size)
-    stream = found.find("raw socket", STREAM, size)
+    memcpy = found.find("memcpy", Phase.COPY, size)
+    stream = found.find("raw socket", Phase.STREAM, size)
     floors = ", ".join(
         f"{name} {row.gbps:.2f} GB/s"
         for name, row in (("memcpy", memcpy), ("raw socket", stream))
@@ -148,8 +135,8 @@ def _data_table(found: _Rows, systems: list[str], size: int, count: int, w: Writ
 
 
 def _lookup_table(found: _Rows, count: int, w: Write) -> None:
-    rtt = found.find("raw socket", RTT)
-    zrtt = found.find("zeromq", RTT)
+    rtt = found.find("raw socket", Phase.RTT)
+    zrtt = found.find("zeromq", Phase.RTT)
     floors = ", ".join(
         f"{name} {row.seconds * 1e6:.0f} us"
         for name, row in (("raw socket", rtt), ("zeromq", zrtt))
@@ -161,7 +148,7 @@ def _lookup_table(found: _Rows, count: int, w: Write) -> None:
     w(f"{'1024/16':>9}{'ctl CPU':>9}  path\n")
     lookup_systems = [*found.systems(_PEERS), *found.systems((*_KVFABRIC, "kvfabric rpc"))]
     for system in lookup_systems:
-        by_keys = {n: found.find(system, CONTAINS, count=n) for n in counts}
+        by_keys = {n: found.find(system, Phase.CONTAINS, count=n) for n in counts}
         if not any(by_keys.values()):
             continue
         cells = "".join(
@@ -169,7 +156,7 @@ def _lookup_table(found: _Rows, count: int, w: Write) -> None:
         )
         low, high = by_keys[16], by_keys[1024]
         ratio = f"{high.seconds / low.seconds:>9.2f}" if low and high else f"{'-':>9}"
-        cpu = found.find(system, CONTROLLER_CPU)
+        cpu = found.find(system, Phase.CONTROLLER_CPU)
         cpu_cell = f"{cpu.seconds * 1e6:>9.1f}" if cpu else f"{'-':>9}"
         path = next((row.note for row in by_keys.values() if row and row.note), "")
         if cpu and cpu.note:
@@ -179,7 +166,7 @@ def _lookup_table(found: _Rows, count: int, w: Write) -> None:
 
 
 def _busy_table(found: _Rows, w: Write) -> None:
-    systems = [s for s in (*_PEERS, *_KVFABRIC) if found.find(s, READS_BUSY)]
+    systems = [s for s in (*_PEERS, *_KVFABRIC) if found.find(s, Phase.READS_BUSY)]
     if not systems:
         return
     w("\nreads (contains + get) in a loop, alone and beside a busy pure-Python thread\n")
@@ -188,11 +175,11 @@ def _busy_table(found: _Rows, w: Write) -> None:
         f"{'proc GB/s':>10}{'ratio':>8}{'thread/proc':>12}{'cores':>7}{'room':>6}\n"
     )
     for system in systems:
-        alone, busy = found.find(system, READS_ALONE), found.find(system, READS_BUSY)
+        alone, busy = found.find(system, Phase.READS_ALONE), found.find(system, Phase.READS_BUSY)
         if alone is None or busy is None:
             continue
         kept = f"{busy.kept:>10.2f}" if busy.kept is not None else f"{'-':>10}"
-        process = found.find(system, READS_BUSY_PROCESS)
+        process = found.find(system, Phase.READS_BUSY_PROCESS)
         if process is None:
             beside_process = f"{'-':>10}{'-':>8}{'-':>12}"
         else:
@@ -206,19 +193,19 @@ def _busy_table(found: _Rows, w: Write) -> None:
             f"{system:<14}{alone.gbps:>11.2f}{busy.gbps:>9.2f}"
             f"{alone.seconds / busy.seconds:>8.2f}{kept}{beside_process}{cores}{room}\n"
         )
-    cpus = next((r.cpus for r in found.rows if r.phase == READS_ALONE and r.cpus), None)
+    cpus = next((r.cpus for r in found.rows if r.phase == Phase.READS_ALONE and r.cpus), None)
     w(
         "  (proc: beside the same loop in a process of its own, which takes a core but not the\n"
         "   GIL; thread/proc is the GIL's own share. cores: the CPU the reads kept busy alone,\n"
         "   client and servers together; room: what a host of "
         f"{cpus or '?'} CPUs can leave them beside a loop\n"
-        "   that takes one, min(1, (CPUs - 1) / cores). Where room is below a ratio, as for\n"
-        "   tcp's client and node on 2 cores, the host sets the ratio, not the GIL.)\n"
+        "   that takes one, min(1, (CPUs - 1) / cores). Where room is below a ratio, the host\n"
+        "   sets the ratio, not the GIL.)\n"
     )
 
 
 def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[Target]:
-    """Issue 12's targets, each measured ratio (or time) beside its goal."""
+    """The targets kvfabric is held to: each measured ratio (or time) beside its goal."""
     found = _Rows(rows)
     big, small = max(sizes), min(sizes)
     inf = "infinistore"
@@ -235,14 +222,20 @@ def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[
     checks: list[Target] = [
         Target(
             f"put {batch} fresh, tcp / InfiniStore",
-            speed(found.find("kvfabric tcp", PUT_FRESH, big), found.find(inf, PUT_FRESH, big)),
+            speed(
+                found.find("kvfabric tcp", Phase.PUT_FRESH, big),
+                found.find(inf, Phase.PUT_FRESH, big),
+            ),
             1.0,
             True,
             "x",
         ),
         Target(
             f"put {batch} fresh, shm / memcpy",
-            speed(found.find("kvfabric shm", PUT_FRESH, big), found.find("memcpy", COPY, big)),
+            speed(
+                found.find("kvfabric shm", Phase.PUT_FRESH, big),
+                found.find("memcpy", Phase.COPY, big),
+            ),
             0.6,
             True,
             "x",
@@ -253,7 +246,8 @@ def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[
             Target(
                 f"put {count}x{size_name(small)} fresh, tcp / InfiniStore",
                 speed(
-                    found.find("kvfabric tcp", PUT_FRESH, small), found.find(inf, PUT_FRESH, small)
+                    found.find("kvfabric tcp", Phase.PUT_FRESH, small),
+                    found.find(inf, Phase.PUT_FRESH, small),
                 ),
                 1.0,
                 True,
@@ -264,15 +258,15 @@ def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[
         Target(
             f"contains {count}, tcp / InfiniStore (time)",
             time_ratio(
-                found.find("kvfabric tcp", CONTAINS, count=count),
-                found.find(inf, CONTAINS, count=count),
+                found.find("kvfabric tcp", Phase.CONTAINS, count=count),
+                found.find(inf, Phase.CONTAINS, count=count),
             ),
             1.0,
             False,
             "x",
         )
     )
-    shm_contains = found.find("kvfabric shm", CONTAINS, count=count)
+    shm_contains = found.find("kvfabric shm", Phase.CONTAINS, count=count)
     checks.append(
         Target(
             f"contains {count} over shm",
@@ -283,7 +277,7 @@ def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[
         )
     )
     for system in found.systems(_KVFABRIC):
-        cpu = found.find(system, CONTROLLER_CPU)
+        cpu = found.find(system, Phase.CONTROLLER_CPU)
         if cpu is not None and cpu.note.startswith("one-sided"):
             checks.append(
                 Target(
@@ -294,13 +288,15 @@ def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[
                     "us",
                 )
             )
-    peers_get = [r for r in (found.find(p, GET, big) for p in ("mooncake", inf, "redis")) if r]
+    peers_get = [
+        r for r in (found.find(p, Phase.GET, big) for p in ("mooncake", inf, "redis")) if r
+    ]
     best_peer = min(peers_get, key=lambda r: r.seconds) if peers_get else None
     for system in found.systems(_KVFABRIC):
         checks.append(
             Target(
                 f"get {batch}, {system[9:]} / best peer",
-                speed(found.find(system, GET, big), best_peer),
+                speed(found.find(system, Phase.GET, big), best_peer),
                 1.0,
                 True,
                 "x",
@@ -310,19 +306,21 @@ def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[
     checks.append(
         Target(
             f"get {batch}, shm / memcpy",
-            speed(found.find("kvfabric shm", GET, big), found.find("memcpy", COPY, big)),
+            speed(
+                found.find("kvfabric shm", Phase.GET, big), found.find("memcpy", Phase.COPY, big)
+            ),
             0.8,
             True,
             "x",
         )
     )
     for system in found.systems(_KVFABRIC):
-        alone = found.find(system, READS_ALONE)
+        alone = found.find(system, Phase.READS_ALONE)
         room = None if alone is None else alone.room
         checks.append(
             Target(
                 f"reads beside busy / alone, {system[9:]}",
-                speed(found.find(system, READS_BUSY), alone),
+                speed(found.find(system, Phase.READS_BUSY), alone),
                 0.8,
                 True,
                 "x",
@@ -335,7 +333,8 @@ def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[
             Target(
                 f"contains 1024 / 16, {system[9:]}",
                 time_ratio(
-                    found.find(system, CONTAINS, count=1024), found.find(system, CONTAINS, count=16)
+                    found.find(system, Phase.CONTAINS, count=1024),
+                    found.find(system, Phase.CONTAINS, count=16),
                 ),
                 3.0,
                 False,
@@ -346,7 +345,7 @@ def targets(rows: Sequence[BenchRow], sizes: Sequence[int], count: int) -> list[
 
 
 def _targets(found: _Rows, sizes: Sequence[int], count: int, w: Write) -> None:
-    w("\ntargets (issue 12):\n")
+    w("\ntargets:\n")
     for target in targets(found.rows, sizes, count):
         label = f"{target.label} ({target.note})" if target.note else target.label
         goal = f"(goal {target.sign} {target.goal:g}{target.unit})"
@@ -362,7 +361,7 @@ def print_rounds_summary(rounds: Sequence[Sequence[Target]], out: IO[str]) -> No
     many rounds it was met. On a shared host one round can land in a slow spell that
     another misses; the median and the count say what holds across them."""
     w = out.write
-    w(f"\ntargets over {len(rounds)} rounds (issue 12): each round, median, rounds met\n")
+    w(f"\ntargets over {len(rounds)} rounds: each round, median, rounds met\n")
     labels: dict[str, Target] = {}
     for round_targets in rounds:
         for target in round_targets:

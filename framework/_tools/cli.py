@@ -12,7 +12,14 @@ import sys
 from collections.abc import Sequence
 
 from kvfabric._tools.bench_cli import add_bench_arguments
-from kvfabric._tools.server_cli import HelpFormatter
+from kvfabric._tools.server_options import (
+    HelpFormatter,
+    add_controller_address,
+    add_secret_option,
+    add_server_commands,
+    add_shared_index_options,
+    add_timeout_option,
+)
 from kvfabric.errors import ControllerUnavailableError, KvfabricError
 
 __all__ = ["build_parser", "main"]
@@ -26,8 +33,9 @@ chunks are stored, loads them, computes the rest and offers every chunk for stor
 It prints progress on stderr (requests done / all requests, elapsed), then per turn the
 prefix hits and bytes loaded vs computed, and in sum: bytes offered vs stored (the dedup:
 chunks stored once already move no bytes when offered again), control round trips per
-lookup+get (1.00), validation failures and wrong values (both 0), and read throughput next
-to a plain memcpy of the same chunks (the ceiling of any local read; a get also checksums
+lookup+get (none where the lookup reads the index's lookup image, one where the index
+keeps none), validation failures and wrong values (both 0), and read throughput next to
+a plain memcpy of the same chunks (the ceiling of any local read; a get also checksums
 every byte, so a ratio well under 1 is expected)."""
 
 
@@ -145,7 +153,7 @@ def _shared_index_stats(args: argparse.Namespace) -> dict[str, dict[str, int]]:
     """A shared index's counters (per shard for redis) and what it lists of each node,
     read from the index itself: there is no controller to ask. The nodes' own counters
     (bytes served, connections) are on each node's --metrics-port."""
-    from kvfabric._tools.server_cli import index_from_options
+    from kvfabric._tools.server_build import index_from_options
 
     index = index_from_options(args.index, args.index_opt)
     try:
@@ -218,8 +226,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plugins.set_defaults(func=_cmd_plugins)
 
-    from kvfabric._tools.server_cli import add_server_commands
-
     add_server_commands(sub)
 
     bench = sub.add_parser(
@@ -228,8 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time kvfabric (over tcp, shm and ucx where installed, against real "
         "controller and node processes) next to memcpy, a raw socket, Redis and, where "
         "their venv is given, Mooncake Store and InfiniStore; print tables of medians and "
-        "ratios and issue 12's targets. The Redis rows need redis-py ('kvfabric[bench]') "
-        "and redis-server on PATH.",
+        "ratios, and the targets kvfabric is held to, each marked met or not. The Redis rows "
+        "need redis-py ('kvfabric[bench]') and redis-server on PATH.",
         formatter_class=HelpFormatter,
     )
     add_bench_arguments(bench)
@@ -242,32 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
         "node: a table, Prometheus text (the same as --metrics-port serves) or JSON.",
         formatter_class=HelpFormatter,
     )
-    stats.add_argument(
-        "--controller",
-        default="127.0.0.1:7100",
-        metavar="HOST:PORT",
-        help="the controller's address (HOST:PORT, tcp://HOST:PORT or kvfabric://HOST:PORT)",
-    )
-    stats.add_argument(
-        "--index",
-        default=None,
-        metavar="NAME",
-        help="read a shared index directly instead of a controller (e.g. redis, with "
-        "--index-opt redis.url=redis://HOST:PORT)",
-    )
-    stats.add_argument(
-        "--index-opt",
-        action="append",
-        default=[],
-        metavar="NAME.OPTION=VALUE",
-        help="an option of the shared index (repeatable)",
-    )
-    stats.add_argument(
-        "--secret-file", default=None, help="shared secret (else $KVFABRIC_SECRET, if set)"
-    )
-    stats.add_argument(
-        "--timeout", default="2s", metavar="DURATION", help="bound on the controller's answer"
-    )
+    add_controller_address(stats, "127.0.0.1:7100")
+    add_shared_index_options(stats, "read")
+    add_secret_option(stats)
+    add_timeout_option(stats, "bound on the controller's answer")
     stats.add_argument(
         "--format",
         choices=("table", "prometheus", "json"),
@@ -285,7 +269,7 @@ class _DemoFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if hasattr(args, "log_level"):
-        from kvfabric._tools.server_cli import configure_logging
+        from kvfabric._tools.server_run import configure_logging
 
         configure_logging(args.log_level)
     try:

@@ -3,8 +3,9 @@
 Several chat sessions share one long system prompt and add turns of their own. For every
 request the "engine" asks how many leading 256-token chunks are stored (one lookup), loads
 them into its own buffers, computes the rest, and offers every chunk of the prompt for
-storage. kvfabric answers the lookup and the load in one control round trip and stores each
-distinct chunk once. The KV bytes are synthetic but depend only on the chunk's prefix, so
+storage. The lookup reads the index's lookup image (a control round trip only where the index
+keeps none), the load uses the descriptors the lookup found, and each distinct chunk is
+stored once. The KV bytes are synthetic but depend only on the chunk's prefix, so
 every loaded chunk is checked against what the engine would have computed.
 """
 

@@ -17,8 +17,9 @@ Subclass a mixin in your test module and override its fixtures::
 Every test asserts an outcome (bytes, counts, errors); none asserts a timing.
 """
 
-from kvfabric._tools.busy import BusyThread
-from kvfabric._tools.cluster import Cluster, free_port
+from kvfabric._tools.bench_timing import BusyThread
+from kvfabric._tools.local_cluster import free_port
+from kvfabric.testing.cluster import Cluster
 from kvfabric.testing.hooks import corrupt_payload, resolve_descriptor
 from kvfabric.testing.index_suite import IndexConformance, MakeIndex
 from kvfabric.testing.recovery import RECOVERY_BOUND, exact_hits, wait_for

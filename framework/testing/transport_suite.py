@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
@@ -50,6 +51,7 @@ __all__ = [
 ]
 
 _MIB = 1 << 20
+_REGION_SERVER = Path(__file__).with_name("region_server.py")
 # A bound only a hang reaches: a test that must not wait for a timeout sets this one, and
 # tells a real failure (an error now) from waiting it out (a TransportTimeoutError).
 _PATIENT = 60.0
@@ -76,7 +78,9 @@ def wait_until_stopped(pid: int, timeout: float = 30.0) -> None:
 
 
 class RegionServer:
-    """``kvfabric._tools.region_server`` in a child process; ``endpoint`` reaches it (node 1)."""
+    """:mod:`kvfabric.testing.region_server` in a child process; ``endpoint`` reaches it
+    (node 1). The child runs the module's file by path: ``-m`` would import this package, and
+    pytest with it, in every server a test starts."""
 
     def __init__(
         self,
@@ -91,8 +95,7 @@ class RegionServer:
         self.process = subprocess.Popen(
             [
                 sys.executable,
-                "-m",
-                "kvfabric._tools.region_server",
+                str(_REGION_SERVER),
                 "--transport",
                 transport,
                 "--backend",

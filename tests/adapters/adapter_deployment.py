@@ -65,7 +65,7 @@ def deployment(
         with Cluster(nodes=nodes, **options) as cluster:
             yield Deployment(cluster)
         return
-    from kvfabric._tools.redis_cluster import RedisDeployment
+    from redis_servers import RedisDeployment
 
     if INDEX == "redis" or single_redis:
         redis = RedisDeployment.single()

@@ -13,7 +13,7 @@ import pytest
 
 import kvfabric
 from kvfabric._runtime.record import record_size
-from kvfabric._tools.cluster import Cluster
+from kvfabric.testing import Cluster
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 

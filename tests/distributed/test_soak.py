@@ -4,8 +4,13 @@
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
-from kvfabric._tools.soak import SoakConfig, print_report, run_soak
+# The harness is the soak benchmark itself; its client processes (spawned) import it by name
+# too, so its folder goes on sys.path, which they inherit.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from soak import SoakConfig, print_report, run_soak
 
 
 def test_churn_faults_and_fuzzers_never_produce_a_wrong_value_or_a_hang() -> None:

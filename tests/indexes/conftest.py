@@ -12,8 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 from redis_fixtures import need_redis
-
-from kvfabric._tools.redis_cluster import RedisDeployment
+from redis_servers import RedisDeployment
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ from typing import Any
 
 import attrs
 import pytest
+from redis_servers import RedisDeployment, redis_server_binary
 
-from kvfabric._tools.redis_cluster import RedisDeployment, redis_server_binary
 from kvfabric.spi import IndexConfig, IndexPlugin
 
 

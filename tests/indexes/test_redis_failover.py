@@ -25,8 +25,8 @@ from collections.abc import Iterator
 import attrs
 import pytest
 from redis_fixtures import redis_index
+from redis_servers import RedisDeployment
 
-from kvfabric._tools.redis_cluster import RedisDeployment
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ControllerUnavailableError
 from kvfabric.indexes.redis import RedisIndex

@@ -15,8 +15,8 @@ from typing import Any
 import attrs
 import pytest
 from redis_fixtures import keys_left, namespace, redis_index
+from redis_servers import RedisDeployment
 
-from kvfabric._tools.redis_cluster import RedisDeployment
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ConfigError, NameInUseError, PluginUnavailableError
 from kvfabric.indexes.redis import RedisIndex

@@ -13,10 +13,10 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from redis_servers import RedisDeployment
 
 import kvfabric
 from kvfabric._tools.metrics import families
-from kvfabric._tools.redis_cluster import RedisDeployment
 from kvfabric.keys import chain_keys
 from kvfabric.testing import Cluster
 

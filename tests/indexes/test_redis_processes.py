@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from redis_servers import RedisDeployment
 
-from kvfabric._tools.redis_cluster import RedisDeployment
 from kvfabric.testing import Cluster, StoreConformance
 from kvfabric.testing.store_suite import ReplicatedStoreConformance
 

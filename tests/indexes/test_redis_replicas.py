@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 from redis_fixtures import keys_left, redis_index
+from redis_servers import RedisDeployment
 
-from kvfabric._tools.redis_cluster import RedisDeployment
 from kvfabric.descriptor import Descriptor
 from kvfabric.indexes.redis import RedisIndex
 from kvfabric.keys import fold_key

@@ -9,8 +9,8 @@ call is one round, one round trip per master holding its keys.
 from __future__ import annotations
 
 import pytest
+from redis_servers import RedisDeployment
 
-from kvfabric._tools.redis_cluster import RedisDeployment
 from kvfabric.testing import StoreConformance
 
 

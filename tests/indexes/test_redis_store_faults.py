@@ -20,13 +20,13 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from redis_servers import RedisDeployment
 
 import kvfabric
 from kvfabric import PutOutcome
 from kvfabric._client import remote
 from kvfabric._client.shared_index import IndexUpkeep
 from kvfabric._client.store import Store
-from kvfabric._tools.redis_cluster import RedisDeployment
 from kvfabric.errors import KvfabricError
 from kvfabric.keys import chain_keys
 from kvfabric.spi import IndexPlugin

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import io
 
-from kvfabric._tools.bench_measure import READS_ALONE, READS_BUSY, BenchRow
 from kvfabric._tools.bench_report import Target, print_report, print_rounds_summary, targets
+from kvfabric._tools.bench_row import BenchRow
+from kvfabric._tools.bench_timing import Phase
 
 
 def _put(value: float | None, note: str = "") -> Target:
@@ -31,7 +32,7 @@ def test_each_target_shows_every_round_its_median_and_the_rounds_it_met() -> Non
             [_put(1.2), _contains(9.0)],
         ]
     )
-    assert lines[1] == "targets over 3 rounds (issue 12): each round, median, rounds met"
+    assert lines[1] == "targets over 3 rounds: each round, median, rounds met"
     put, contains = lines[2], lines[3]
     assert put.split("InfiniStore")[1].split() == [
         *("0.90", "1.10", "1.20", "1.10x"),
@@ -61,8 +62,8 @@ def test_a_target_never_measured_has_no_median_and_no_count() -> None:
 def _reads(system: str, cores: float | None, cpus: int | None) -> list[BenchRow]:
     common = {"system": system, "size": 4 << 20, "count": 64}
     return [
-        BenchRow(phase=READS_ALONE, seconds=0.05, cores=cores, cpus=cpus, **common),
-        BenchRow(phase=READS_BUSY, seconds=0.08, kept=0.9, **common),
+        BenchRow(phase=Phase.READS_ALONE, seconds=0.05, cores=cores, cpus=cpus, **common),
+        BenchRow(phase=Phase.READS_BUSY, seconds=0.08, kept=0.9, **common),
     ]
 
 

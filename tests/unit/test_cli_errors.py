@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvfabric._tools.cluster import free_port
+from kvfabric.testing import free_port
 
 _KVFABRIC = [sys.executable, "-m", "kvfabric"]
 

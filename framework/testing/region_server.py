@@ -1,9 +1,10 @@
-"""A data node's memory and one transport's server side, alone in a process, for tests.
+"""A data node's memory and one transport's server side, alone in a process: the server half
+of the transport conformance suite (:class:`kvfabric.testing.RegionServer` runs it).
 
-``python -m kvfabric._tools.region_server --transport shm --capacity 8MiB`` creates the
+``python -m kvfabric.testing.region_server --transport shm --capacity 8MiB`` creates the
 backend's regions, registers them with the transport, prints the node's description as one
-hex line on stdout, and serves until its stdin closes. The transport conformance suite runs
-its client against this real, separate process.
+hex line on stdout, and serves until its stdin closes. ``RegionServer`` runs this file by its
+path instead, so the child imports neither pytest nor the suites.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from kvfabric.spi.units import parse_size
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvfabric._tools.region_server")
+    parser = argparse.ArgumentParser(prog="python -m kvfabric.testing.region_server")
     parser.add_argument("--transport", required=True)
     parser.add_argument("--backend", default="dram")
     parser.add_argument("--capacity", default="8MiB")

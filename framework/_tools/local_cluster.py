@@ -1,19 +1,14 @@
-"""A real kvfabric deployment on 127.0.0.1: controller and data-node processes.
+"""A kvfabric deployment on 127.0.0.1: controller and data-node processes, as operators run them.
 
-``Cluster`` starts ``kvfabric controller`` and ``kvfabric node`` as child processes (the
-same commands an operator runs), waits until every node is registered, and can kill, stop,
-continue or restart any of them, so fault tests exercise the real processes and sockets.
-``kvfabric bench`` uses it too, so it lives here and imports nothing of the test suite.
-
-``Cluster(redis=URL)`` runs no controller: its nodes register with the ``redis`` index at
-URL (``kvfabric node --index redis``), in a namespace of their own, and clients connect
-with ``kvfabric://HOST:PORT?index=redis`` (:meth:`Cluster.url`). The namespace is purged
-when the cluster closes.
+:class:`LocalCluster` starts ``kvfabric controller`` and ``kvfabric node`` as child processes
+(the same commands, through ``python -m kvfabric``), waits until every node is registered and
+has reported once, and can kill and restart any of them. ``kvfabric bench`` measures against
+it, so it ships with the command line and imports nothing of a test framework; the test
+suite's :class:`kvfabric.testing.Cluster` builds on it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -21,19 +16,20 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
-from urllib.parse import quote, urlsplit
+from typing import IO, TypeVar
+from urllib.parse import quote
 
 from kvfabric._control.client import ControlClient
 from kvfabric._control.remote_index import RemoteIndex, fetch_stats
 from kvfabric._control.security import Credentials
-from kvfabric.errors import ControllerUnavailableError, KvfabricError
-from kvfabric.spi.index import IndexConfig, NodeInfo
+from kvfabric.errors import ControllerUnavailableError
+from kvfabric.spi.index import NodeInfo
 
-__all__ = ["Cluster", "free_port"]
+__all__ = ["LocalCluster", "ServerProcess", "free_port", "image_server_pids"]
+
+_Cluster = TypeVar("_Cluster", bound="LocalCluster")
 
 
 def image_server_pids(controller_pid: int) -> list[int]:
@@ -54,12 +50,19 @@ def image_server_pids(controller_pid: int) -> list[int]:
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 just now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-class _Process:
+class ServerProcess:
+    """``python -m kvfabric ARGS`` as a child process, started once its ready line is out.
+
+    Its stderr goes to ``log``; a process whose first stdout line lacks ``ready`` is killed
+    and raises RuntimeError with the log's tail.
+    """
+
     def __init__(self, args: list[str], log: Path, env: dict[str, str], ready: str) -> None:
         self.args = args
         self.log_path = log
@@ -100,8 +103,8 @@ class _Process:
         self.popen.wait()
 
 
-class Cluster:
-    """A controller plus ``nodes`` data nodes; ``url`` is what clients connect to."""
+class LocalCluster:
+    """A controller plus ``nodes`` data nodes; :meth:`url` is what clients connect to."""
 
     def __init__(
         self,
@@ -114,24 +117,10 @@ class Cluster:
         env: dict[str, str] | None = None,
         secret: bytes | None = None,
         backend: str = "dram",
-        redis: str | None = None,
-        node_ttl: str = "2s",
     ) -> None:
         """``backend="file"`` gives each node its own directory (:meth:`node_path`), kept
-        across restarts of that node. ``redis``: the URL of a Redis deployment whose
-        ``redis`` index the nodes use instead of a controller (``node_ttl``: how long one
-        may stay silent before whoever ticks the index drops it)."""
-        self.redis = redis
-        self.namespace = f"c{uuid.uuid4().hex[:12]}" if redis else ""
-        self.node_ttl = node_ttl
-        self._index: Any = None
-        if redis:
-            address = urlsplit(redis)
-            self.port = address.port or 6379
-            self.host = address.hostname or "127.0.0.1"
-        else:
-            self.port = free_port()
-            self.host = "127.0.0.1"
+        across restarts of that node."""
+        self.host, self.port = self._address()
         self.backend = backend
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.transports = list(transports)
@@ -144,10 +133,10 @@ class Cluster:
             self.env["KVFABRIC_SECRET"] = secret.decode()
         self._dir = tempfile.TemporaryDirectory(prefix="kvfabric-cluster-")
         self.logs = Path(self._dir.name)
-        self.controller: _Process | None = None
-        self.nodes: list[_Process | None] = []
+        self.controller: ServerProcess | None = None
+        self.nodes: list[ServerProcess | None] = []
         try:
-            if not redis:
+            if self._has_controller():
                 self.start_controller()
             for _ in range(nodes):
                 self.add_node()
@@ -156,25 +145,34 @@ class Cluster:
             self.close()
             raise
 
+    # -- where nodes register and clients connect (a subclass may register elsewhere) -----
+
+    def _address(self) -> tuple[str, int]:
+        """Host and port clients connect to: the controller's, on a free port."""
+        return "127.0.0.1", free_port()
+
+    def _has_controller(self) -> bool:
+        return True
+
+    def _registration_args(self) -> list[str]:
+        """The ``kvfabric node`` arguments naming where a node registers."""
+        return ["--controller", self.endpoint]
+
+    def _url_options(self) -> dict[str, str]:
+        """Query parameters every client URL carries before the caller's own."""
+        return {}
+
     def url(self, **options: str) -> str:
-        """What clients connect to (``options`` as query parameters); with ``redis``, the
-        index's URL and namespace come first."""
-        if self.redis:
-            options = {**self.index_options(), **options, "index": "redis"}
+        """What clients connect to, ``options`` as query parameters."""
+        options = {**self._url_options(), **options}
         query = "&".join(f"{k}={quote(str(v), safe='/:@')}" for k, v in options.items())
         return f"kvfabric://{self.host}:{self.port}" + (f"?{query}" if query else "")
-
-    def index_options(self) -> dict[str, str]:
-        """The redis index's options every process of this cluster uses (none without)."""
-        if not self.redis:
-            return {}
-        return {"redis.url": self.redis, "redis.namespace": self.namespace}
 
     # -- processes ---------------------------------------------------------------------
 
     def start_controller(self) -> None:
         args = ["controller", "--listen", self.endpoint, "--node-timeout", "2s"]
-        self.controller = _Process(
+        self.controller = ServerProcess(
             args + self.controller_args,
             self.logs / "controller.log",
             self.env,
@@ -196,16 +194,9 @@ class Cluster:
     ) -> None:
         """Start (or restart) node ``index``: by default under its own name and capacity."""
         capacity = capacity or self.capacity
-        if self.redis:
-            options = {**self.index_options(), "redis.node_ttl": self.node_ttl}
-            where = ["--index", "redis"]
-            for option, value in options.items():
-                where += ["--index-opt", f"{option}={value}"]
-        else:
-            where = ["--controller", self.endpoint]
         args = [
             "node",
-            *where,
+            *self._registration_args(),
             "--transport",
             ",".join(self.transports),
             "--capacity",
@@ -221,7 +212,7 @@ class Cluster:
             *(["--path", str(self.node_path(index))] if self.backend == "file" else []),
             *self.node_args,
         ]
-        self.nodes[index] = _Process(args, self.logs / f"node{index}.log", self.env, "serving")
+        self.nodes[index] = ServerProcess(args, self.logs / f"node{index}.log", self.env, "serving")
 
     def kill_node(self, index: int) -> None:
         node = self.nodes[index]
@@ -260,23 +251,9 @@ class Cluster:
         credentials = Credentials.from_secret(self.secret) if self.secret else None
         return ControlClient(self.endpoint, timeout=2.0, credentials=credentials)
 
-    def index(self) -> Any:
-        """The redis index of a ``redis`` cluster, opened once (a ``RedisIndex``)."""
-        if self._index is None:
-            from kvfabric.indexes.redis import RedisIndex
-
-            options = {k.removeprefix("redis."): v for k, v in self.index_options().items()}
-            self._index = RedisIndex.create(IndexConfig(options=options))
-        return self._index
-
     def node_infos(self) -> list[NodeInfo]:
-        """What the controller (or the redis index) knows of each registered node (regions,
-        transport endpoints)."""
-        if self.redis:
-            try:
-                return sorted(self.index().nodes(), key=lambda n: n.name)
-            except ControllerUnavailableError:
-                return []
+        """What the controller knows of each registered node (regions, transport
+        endpoints), by name."""
         client = self._client()
         try:
             return sorted(RemoteIndex(client).nodes(), key=lambda n: n.name)
@@ -286,9 +263,7 @@ class Cluster:
             client.close()
 
     def _reported_nodes(self) -> int:
-        if self.redis:
-            # No one collects nodes' counters: registered is all there is to wait for.
-            return len(self.node_infos())
+        """How many nodes the controller has counters of (each reports with its heartbeat)."""
         try:
             return sum(scope.startswith("node ") for scope in self.stats())
         except ControllerUnavailableError:
@@ -308,8 +283,7 @@ class Cluster:
         raise TimeoutError(f"{count} nodes did not register: {self.node_names()}\n{self.tail()}")
 
     def stats(self) -> dict[str, dict[str, int]]:
-        if self.redis:
-            return {"index": self.index().stats()}
+        """The controller's counters, its index's and every node's (``kvfabric stats``)."""
         client = self._client()
         try:
             return fetch_stats(client)
@@ -317,6 +291,7 @@ class Cluster:
             client.close()
 
     def tail(self) -> str:
+        """The end of every process's log, for an error message."""
         return "\n".join(
             f"--- {log.name}\n{log.read_text()[-2000:]}" for log in sorted(self.logs.glob("*.log"))
         )
@@ -330,16 +305,9 @@ class Cluster:
         if self.controller is not None:
             self.controller.stop()
             self.controller = None
-        if self.redis:
-            # What the nodes left in Redis goes (a deployment a test killed keeps it).
-            with contextlib.suppress(KvfabricError):
-                self.index().purge()
-            if self._index is not None:
-                self._index.close()
-                self._index = None
         self._dir.cleanup()
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self: _Cluster) -> _Cluster:
         return self
 
     def __exit__(self, *exc: object) -> None:

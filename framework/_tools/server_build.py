@@ -1,0 +1,247 @@
+"""Building the server commands' parts from their parsed options: the index, the controller and
+its lookup-image servers, a data node, and where a node registers.
+
+Each builder reads the :mod:`kvfabric._tools.server_options` it needs from the command's
+namespace and turns what cannot work (a size or duration that does not parse, a port in use,
+a capacity this machine cannot give) into one error naming the option. Running what is built
+is :mod:`kvfabric._tools.server_run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import attrs
+
+from kvfabric._client.shared_index import check_shared
+from kvfabric._control.controller import Controller
+from kvfabric._control.image_process import ImageProcessServer
+from kvfabric._control.security import Credentials, load_secret
+from kvfabric._node.capacity import check_capacity
+from kvfabric._node.membership import ControllerMembership, IndexMembership, Membership
+from kvfabric._node.node import DataNode
+from kvfabric._plugins import PluginOptions, group_plugin_options, plugin_manager
+from kvfabric._tools.endpoints import control_endpoint, listen_error
+from kvfabric.errors import ConfigError, TransportError
+from kvfabric.spi.backend import BackendConfig
+from kvfabric.spi.index import IndexConfig, IndexPlugin
+from kvfabric.spi.transport import TransportConfig, TransportServer
+from kvfabric.spi.units import parse_duration, parse_size
+
+__all__ = [
+    "close_servers",
+    "controller_from",
+    "controller_membership",
+    "credentials_from",
+    "duration",
+    "image_servers_from",
+    "index_from",
+    "index_from_options",
+    "membership_from",
+    "node_from",
+    "plugin_settings",
+]
+
+
+def _size(text: str, option: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{option}: {exc}") from None
+
+
+def duration(text: str | float, option: str) -> float:
+    """``text`` in seconds; a ConfigError naming ``option`` if it does not parse."""
+    try:
+        return parse_duration(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{option}: {exc}") from None
+
+
+def credentials_from(args: argparse.Namespace) -> Credentials | None:
+    """``--secret-file`` (else ``$KVFABRIC_SECRET``) as credentials, or None: unsecured."""
+    secret = load_secret(args.secret_file)
+    return Credentials.from_secret(secret) if secret else None
+
+
+def plugin_settings(args: argparse.Namespace, *, index: bool = True) -> PluginOptions:
+    """Users' NAME.OPTION settings for the plugins this command selects (``index=False``:
+    the index's are claimed elsewhere, as a node's shared index)."""
+    pairs = [
+        *(getattr(args, "index_opt", []) if index else []),
+        *getattr(args, "transport_opt", []),
+        *getattr(args, "backend_opt", []),
+    ]
+    return PluginOptions(group_plugin_options(pairs))
+
+
+def index_from(args: argparse.Namespace, settings: PluginOptions) -> IndexPlugin:
+    """The ``--index`` plugin, configured by the controller options the command has."""
+    index_cls = plugin_manager().index(args.index)
+    defaults = IndexConfig()
+    # A node using a shared index has no --lease/--grace/--headroom: those are the index's,
+    # set where it is served; the node only registers and heartbeats.
+    replicas = getattr(args, "replicas", defaults.replicas)
+    index_cls.check_replicas(replicas)
+    return index_cls.create(
+        IndexConfig(
+            lease=duration(getattr(args, "lease", defaults.lease), "--lease"),
+            grace=duration(getattr(args, "grace", defaults.grace), "--grace"),
+            headroom=getattr(args, "headroom", defaults.headroom),
+            options=settings.claim(index_cls),
+            replicas=replicas,
+        )
+    )
+
+
+def index_from_options(name: str, index_opt: list[str]) -> IndexPlugin:
+    """A client of the shared index ``name`` with ``--index-opt`` settings (``kvfabric node
+    --index`` and ``kvfabric stats --index``): a ConfigError for an index that lives inside
+    a controller, or an option it does not take."""
+    settings = PluginOptions(group_plugin_options(index_opt))
+    check_shared(plugin_manager().index(name))
+    index = index_from(argparse.Namespace(index=name), settings)
+    try:
+        settings.check_all_claimed(f"{name} index")
+    except BaseException:
+        index.close()
+        raise
+    return index
+
+
+def controller_from(
+    args: argparse.Namespace,
+    credentials: Credentials | None,
+    index: IndexPlugin,
+    image_servers: dict[str, TransportServer],
+) -> Controller:
+    return Controller(
+        listen=control_endpoint(args.listen, "--listen"),
+        index=index,
+        node_timeout=duration(args.node_timeout, "--node-timeout"),
+        credentials=credentials,
+        image_servers=image_servers,
+        freeze_long_lived=True,  # a process of its own (with `serve`, its node's agents)
+    )
+
+
+def _transport_names(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    return [] if names == ["none"] else names
+
+
+def _transport_config(args: argparse.Namespace, credentials: Credentials | None) -> TransportConfig:
+    return TransportConfig(
+        host=args.host,
+        advertise=args.advertise,
+        port=args.port,
+        timeout=duration(args.timeout, "--timeout"),
+        token=credentials.data_token if credentials else b"",
+    )
+
+
+def _transport_failure(exc: TransportError, args: argparse.Namespace, what: str) -> Exception:
+    """A transport that could not listen, as one line that says what to do (or as it is)."""
+    cause = exc.__cause__
+    if isinstance(cause, OSError) and cause.errno is not None:
+        transport = str(exc).partition(":")[0]
+        return listen_error(
+            f"{what}'s {transport} transport",
+            f"{args.host}:{args.port}",
+            cause.errno,
+            cause.strerror or str(cause),
+            "--host and --port (0: any free port)",
+        )
+    return exc
+
+
+def image_servers_from(
+    args: argparse.Namespace, credentials: Credentials | None, settings: PluginOptions
+) -> dict[str, TransportServer]:
+    """The controller's own transport servers for the lookup image (``--transport``).
+
+    A transport that is not one-sided (``tcp``: its server's CPU serves every read) gets
+    its server in a process of its own, so lookups cost the controller no CPU.
+    """
+    plugins = plugin_manager()
+    classes = {name: plugins.transport(name) for name in _transport_names(args.transport)}
+    config = _transport_config(args, credentials)
+    servers: dict[str, TransportServer] = {}
+    try:
+        for name, cls in classes.items():
+            configured = attrs.evolve(config, options=settings.claim(cls))
+            if cls.capabilities.one_sided:
+                servers[name] = cls.create_server(configured)
+            else:
+                # Made and closed here first: a port in use or a TLS setting that cannot
+                # work fails the command now, as for any other server, not in the child.
+                cls.create_server(configured).close()
+                servers[name] = ImageProcessServer(name, configured)
+    except TransportError as exc:
+        close_servers(servers)
+        raise _transport_failure(exc, args, "the controller") from exc
+    except BaseException:
+        close_servers(servers)
+        raise
+    return servers
+
+
+def close_servers(servers: dict[str, TransportServer]) -> None:
+    for server in servers.values():
+        with contextlib.suppress(Exception):
+            server.close()
+
+
+def node_from(
+    args: argparse.Namespace, credentials: Credentials | None, settings: PluginOptions
+) -> DataNode:
+    capacity = _size(args.capacity, "--capacity")
+    region_size = min(_size(args.region_size, "--region-size"), capacity)
+    # Checked before any region is allocated: a capacity this machine cannot give fails
+    # here with what to do, not halfway through allocation.
+    check_capacity(capacity, region_size, plugin_manager().backend(args.backend))
+    try:
+        return DataNode.create(
+            backend=args.backend,
+            transports=[t.strip() for t in args.transport.split(",") if t.strip()],
+            backend_config=BackendConfig(
+                capacity=capacity, region_size=region_size, path=args.path
+            ),
+            transport_config=_transport_config(args, credentials),
+            name=args.name,
+            plugin_options=settings,
+        )
+    except TransportError as exc:
+        failure = _transport_failure(exc, args, "the data node")
+        if failure is exc:
+            raise
+        raise failure from exc
+
+
+def controller_membership(
+    endpoint: str, args: argparse.Namespace, credentials: Credentials | None
+) -> ControllerMembership:
+    """A node's registration with the controller at ``endpoint``, retried while it is away."""
+    return ControllerMembership(
+        endpoint,
+        timeout=duration(args.timeout, "--timeout"),
+        retry_interval=min(duration(args.heartbeat, "--heartbeat"), 1.0),
+        credentials=credentials,
+    )
+
+
+def membership_from(
+    args: argparse.Namespace, credentials: Credentials | None
+) -> tuple[Membership, IndexPlugin | None]:
+    """Where this node registers: its controller, or (``--index NAME``) a shared index
+    (returned too: the node's metrics show its counters, as a controller's show its own)."""
+    if args.index:
+        index = index_from_options(args.index, args.index_opt)
+        try:
+            return IndexMembership(index, f"the {args.index} index"), index
+        except BaseException:
+            index.close()
+            raise
+    endpoint = control_endpoint(args.controller, "--controller")
+    return controller_membership(endpoint, args, credentials), None

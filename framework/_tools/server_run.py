@@ -1,0 +1,326 @@
+"""Running the server commands: ``kvfabric controller``, ``kvfabric node`` and ``kvfabric serve``.
+
+Each prints one line on stdout once it is ready (tests and scripts wait for it) naming its
+capacity and every endpoint it serves, logs to stderr, and shuts down cleanly on SIGINT or
+SIGTERM. Start-up problems (a port in use, an address ZeroMQ cannot use, a capacity this
+machine cannot give) are one ``kvfabric: error: ...`` line that says what to do. The parts
+are built by :mod:`kvfabric._tools.server_build` from the options of
+:mod:`kvfabric._tools.server_options`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+
+import zmq
+
+from kvfabric._control.client import ControlClient
+from kvfabric._control.controller import Controller
+from kvfabric._control.remote_index import fetch_stats
+from kvfabric._node.agent import NodeAgent
+from kvfabric._node.membership import Membership
+from kvfabric._node.node import DataNode
+from kvfabric._tools.endpoints import listen_error
+from kvfabric._tools.metrics import MetricsServer, Scopes, ScopesCollector
+from kvfabric._tools.server_build import (
+    close_servers,
+    controller_from,
+    controller_membership,
+    credentials_from,
+    duration,
+    image_servers_from,
+    index_from,
+    membership_from,
+    node_from,
+    plugin_settings,
+)
+from kvfabric.errors import KvfabricError
+from kvfabric.spi.units import format_size
+
+__all__ = ["configure_logging", "run_controller", "run_node", "run_serve"]
+
+log = logging.getLogger("kvfabric._tools.server_run")
+
+# A node that has not registered after this long says so, then again at this interval.
+_FIRST_WAIT_NOTICE = 2.0
+_WAIT_NOTICE_EVERY = 5.0
+# How long `serve` waits for its own node to register before it gives up.
+_SERVE_REGISTER_WITHIN = 30.0
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+
+
+# -- ready lines ---------------------------------------------------------------------------
+
+
+def _describe(node: DataNode) -> str:
+    """Capacity, backend and every transport with its address, for the ready line."""
+    regions = node.backend.regions()
+    capacity = sum(r.size for r in regions)
+    parts = [_endpoint_words(name, server.address) for name, server in node.servers.items()]
+    region_word = "region" if len(regions) == 1 else "regions"
+    stats = node.stats()
+    prefault_ms = stats.get("prefault_ms", 0)
+    prepared = f", memory prepared in {prefault_ms / 1000:.2f}s" if prefault_ms else ""
+    if stats.get("huge_page_bytes"):
+        prepared += f", {format_size(stats['huge_page_bytes'])} on huge pages"
+    return (
+        f"{format_size(capacity)} ({capacity} bytes, {node.backend.name}, {len(regions)} "
+        f"{region_word}{prepared}) over {', '.join(parts)}"
+    )
+
+
+def _endpoint_words(name: str, address: bytes) -> str:
+    """A transport and its address as the ready lines show them."""
+    text = address.decode("ascii", errors="replace")
+    if name == "shm":
+        return "shm (same host)"
+    if text.isprintable() and "\ufffd" not in text:
+        return f"{name}@{text}"
+    return f"{name} ({len(address)}-byte address)"
+
+
+def _image_words(controller: Controller) -> str:
+    """For the ready line: where the lookup image is served."""
+    image = controller.image
+    if image is None:
+        return "; no lookup image (lookups by RPC)"
+    parts = [_endpoint_words(e.transport, e.address) for e in image.endpoints]
+    return f"; lookup image over {', '.join(parts) or 'nothing'}"
+
+
+def _host_port(endpoint: str) -> str:
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    return f"{host}:{port}"
+
+
+# -- what every server command does --------------------------------------------------------
+
+
+def _stop_on_signals(stop: Callable[[], None]) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop())
+
+
+def _controller_stats(endpoint: Callable[[], str], args: argparse.Namespace) -> Scopes:
+    """The controller's counters through its own STATS request, as ``kvfabric stats`` reads
+    them. A client per scrape: scrapes are seconds apart and each runs on its own thread."""
+    client = ControlClient(
+        endpoint(),
+        timeout=duration(args.timeout, "--timeout"),
+        credentials=credentials_from(args),
+    )
+    try:
+        return fetch_stats(client)
+    finally:
+        client.close()
+
+
+@contextmanager
+def _metrics(args: argparse.Namespace, fetch: Callable[[], Scopes], source: str) -> Iterator[str]:
+    """Serve ``fetch``'s counters on ``--metrics-port`` if given; yields the ready-line part."""
+    if args.metrics_port is None:
+        yield ""
+        return
+    server = MetricsServer(ScopesCollector(fetch, source), args.metrics_host, args.metrics_port)
+    try:
+        yield f"; metrics at {server.url}"
+    finally:
+        server.close()
+
+
+def _controller_metrics(
+    args: argparse.Namespace, controller: Controller
+) -> AbstractContextManager[str]:
+    """The controller's counters (asked of it once it is bound) on ``--metrics-port``."""
+    return _metrics(
+        args, lambda: _controller_stats(lambda: controller.endpoint, args), "the controller"
+    )
+
+
+def _serve_controller(controller: Controller, listen: str, ready: Callable[[str], None]) -> None:
+    """``controller.serve`` with a failed bind as one line that says what to do."""
+    try:
+        controller.serve(ready)
+    except zmq.ZMQError as exc:
+        if controller.endpoint:
+            raise  # bound and served: not a start-up problem
+        raise listen_error(
+            "the controller", listen, exc.errno, exc.strerror, "--listen HOST:PORT"
+        ) from None
+
+
+def _announce_waiting(agent: NodeAgent, membership: Membership, secured: bool) -> None:
+    """Log on stderr while the node waits for its controller, until it is registered."""
+    started = time.monotonic()
+    if agent.wait_registered(_FIRST_WAIT_NOTICE) is not None:
+        return
+    hint = " with the same secret" if secured else ""
+    while True:
+        log.warning(
+            "waiting for %s to register this node (%.0fs so far; the "
+            "node is not used until then); %s%s?",
+            membership.where,
+            time.monotonic() - started,
+            membership.check_hint,
+            hint,
+        )
+        if agent.wait_registered(_WAIT_NOTICE_EVERY) is not None:
+            log.info(
+                "registered with %s after %.1fs",
+                membership.where,
+                time.monotonic() - started,
+            )
+            return
+
+
+# -- the commands --------------------------------------------------------------------------
+
+
+def run_controller(args: argparse.Namespace) -> int:
+    settings = plugin_settings(args)
+    credentials = credentials_from(args)
+    index = index_from(args, settings)
+    try:
+        servers = image_servers_from(args, credentials, settings)
+        try:
+            controller = controller_from(args, credentials, index, servers)
+            settings.check_all_claimed("controller")
+            with _controller_metrics(args, controller) as metrics:
+                _stop_on_signals(controller.stop)
+                _serve_controller(
+                    controller,
+                    controller.listen,
+                    lambda endpoint: print(
+                        f"kvfabric controller listening on {endpoint} (index {args.index})"
+                        f"{_image_words(controller)}{metrics}; clients connect with "
+                        f"kvfabric://{_host_port(endpoint)}",
+                        flush=True,
+                    ),
+                )
+        finally:
+            close_servers(servers)
+    finally:
+        index.close()
+    return 0
+
+
+def run_node(args: argparse.Namespace) -> int:
+    credentials = credentials_from(args)
+    membership, shared_index = membership_from(args, credentials)
+    try:
+        node = node_from(args, credentials, plugin_settings(args, index=False))
+    except BaseException:
+        membership.close()
+        raise
+    stop = threading.Event()
+    try:
+        agent = NodeAgent(node, membership, heartbeat=duration(args.heartbeat, "--heartbeat"))
+
+        def node_stats() -> Scopes:
+            registered = agent.registered
+            node_id = registered.id if registered is not None else 0
+            scopes: Scopes = {
+                f"node {node_id} {node.name}": {
+                    **node.stats(),
+                    "registered": int(registered is not None),
+                }
+            }
+            if shared_index is not None:
+                # No controller reports the shared index's counters (per shard, in Redis):
+                # every node does. One that cannot reach it still reports its own.
+                with contextlib.suppress(KvfabricError):
+                    scopes["index"] = shared_index.shared_stats()
+            return scopes
+
+        with _metrics(args, node_stats, f"node {node.name}") as metrics:
+            _stop_on_signals(stop.set)
+            agent.start()
+            print(
+                f"kvfabric node {node.name} serving {_describe(node)}; registering with "
+                f"{membership.where}{metrics}",
+                flush=True,
+            )
+            threading.Thread(
+                target=_announce_waiting,
+                args=(agent, membership, credentials is not None),
+                name="kvfabric-wait-notice",
+                daemon=True,
+            ).start()
+            try:
+                stop.wait()
+            finally:
+                agent.stop()
+    finally:
+        node.close()
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    credentials = credentials_from(args)
+    settings = plugin_settings(args)
+    index = index_from(args, settings)
+    try:
+        node = node_from(args, credentials, settings)
+    except BaseException:
+        index.close()
+        raise
+    # The node's transport servers serve the lookup image too: one port per transport.
+    controller = controller_from(args, credentials, index, node.servers)
+    agents: list[NodeAgent] = []
+    try:
+        with _controller_metrics(args, controller) as metrics:
+            _stop_on_signals(controller.stop)
+
+            def ready(endpoint: str) -> None:
+                # The controller is bound: start the node's agent against it, announce when
+                # the node is in.
+                agent = NodeAgent(
+                    node,
+                    controller_membership(endpoint, args, credentials),
+                    heartbeat=duration(args.heartbeat, "--heartbeat"),
+                )
+                agents.append(agent)
+                agent.start()
+                threading.Thread(target=announce, args=(agent, endpoint), daemon=True).start()
+
+            def announce(agent: NodeAgent, endpoint: str) -> None:
+                if agent.wait_registered(_SERVE_REGISTER_WITHIN) is None:
+                    print(
+                        "kvfabric: error: the node did not register with its own controller "
+                        f"within {_SERVE_REGISTER_WITHIN:.0f}s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    controller.stop()
+                    return
+                print(
+                    f"kvfabric serving on {endpoint}: node {node.name}, {_describe(node)}"
+                    f"{_image_words(controller)}{metrics}; connect with "
+                    f"kvfabric://{_host_port(endpoint)}",
+                    flush=True,
+                )
+
+            try:
+                _serve_controller(controller, controller.listen, ready)
+            finally:
+                for agent in agents:
+                    agent.stop()
+    finally:
+        index.close()
+        node.close()
+    return 0

@@ -4,7 +4,7 @@ node's (its reads).
 
 What is asserted is what the kernel holds for each socket (``SO_SNDBUF``: Linux keeps
 twice what it is given, capped at ``net.core.wmem_max``), never how fast bytes move: the
-speed is in ``kvfabric bench`` and ``kvfabric.transports.tcp.tuning``'s docstring.
+speed is in ``kvfabric bench`` and docs/performance.md.
 """
 
 from __future__ import annotations

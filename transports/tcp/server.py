@@ -5,9 +5,9 @@ handshake is done. Each then gets a thread that serves its frames one at a time,
 segment checked again against the regions (``kvfabric.spi.RegionTable``: the client is not
 trusted), a refused segment moving no bytes. On a plain connection, READ frames of up to
 ``SERVE_MAX_COUNT`` (256) entries — a lookup's read of the image, most reads of records —
-never reach Python: ``kvfabric._runtime.native.serve_reads`` waits for them, checks them by the same
-rules and replies, frame after frame, holding no GIL (a 64-key lookup over tcp cost the
-image's server 50-80 µs of CPU in Python, 30 in C). It hands back anything else with its
+never reach Python: ``kvfabric._runtime.native.serve_reads`` waits for them, checks them by
+the same rules and replies, frame after frame, holding no GIL (and at a fraction of what
+serving them in Python cost: docs/performance.md). It hands back anything else with its
 header read. Python serves those: bytes go straight between the socket and region memory
 (:class:`~kvfabric.transports.tcp.stream.Stream`: kvfabric's native loops, so a frame of up
 to 4,096 segments takes the GIL back about twice: once after waiting for the frame, once

@@ -1,29 +1,31 @@
 """The data path's native loops: whole batches of CRC32C, copies and socket I/O per GIL release.
 
 Releasing the GIL while bytes move is not enough: every time a thread takes the GIL back
-while another Python thread is busy, it waits out the interpreter's switch interval (5 ms by
-default). A read that took it back per segment, per receive and per CRC piece ran several
-times slower beside one busy thread (docs/performance.md). Each function here takes all of
-its Python objects while holding the GIL, checks every one of them (a refused batch moves
-nothing), releases the GIL once for the whole batch and takes it back once at the end. The
-only other returns are to run signal handlers when a signal interrupts a socket wait, so
-Ctrl-C still works; :func:`gil_reacquisitions` counts every return, for tests.
+while another Python thread is busy, it waits out the interpreter's switch interval (5 ms
+by default). A read that took it back per segment, per receive and per CRC piece would
+wait out that interval at each of them beside one busy thread. Each function here takes
+all of its Python
+objects while holding the GIL, checks every one of them (a refused batch moves nothing),
+releases the GIL once for the whole batch and takes it back once at the end. The only
+other returns are to run signal handlers when a signal interrupts a socket wait, so Ctrl-C
+still works; :func:`gil_reacquisitions` counts every return, for tests.
 
 Batches of CRC32C and copies smaller than :data:`GIL_RELEASE_MIN` bytes keep the GIL: that
-work costs a busy neighbour less than the switch interval the call would wait out to get it
-back. Socket calls of that size first move what they can without waiting while they hold the
-GIL (a send that fits the socket buffer, bytes that already arrived), and release it at
-their first wait; larger ones release it at once. So a call takes the GIL back at most once,
-and not at all when it has nothing to wait for and little to move.
+work (tens of microseconds) costs a busy neighbour less than the switch interval the call
+would wait out to get it back. Socket calls of that size first move what they can without
+waiting while they hold the GIL (a send that fits the socket buffer, bytes that already
+arrived), and release it at their first wait; larger ones release it at once. So a call
+takes the GIL back at most once, and not at all when it has nothing to wait for and
+little to move.
 
-The loops are C (``framework/_runtime/csrc``, a file per job, listed in ``module.c``: plain
-C API with ``Py_buffer``, which pins and exposes any buffer — bytes, bytearray, mmap, numpy,
-memoryview — and needs no run-time dependency, unlike cffi) built by setuptools at install.
-There is no pure-Python fallback: an install from source needs a C compiler and Python's
-headers, and without the built module this import fails loudly. CRC32C takes the fastest
-pass the CPU runs, chosen at run time (:data:`CRC32C_PASS`): carry-less multiplication
-folding 128-bit lanes (AVX2 and VPCLMULQDQ), the CRC32 instruction three streams at a time
-(SSE4.2), or a portable table, with the same results as the ``crc32c`` package.
+The loops are C (``framework/_runtime/csrc``: plain C API with ``Py_buffer``, which pins and
+exposes any buffer — bytes, bytearray, mmap, numpy, memoryview — and needs no run-time
+dependency, unlike cffi) built by setuptools at install. There is no pure-Python fallback:
+an install from source needs a C compiler and Python's headers, and without the built module
+this import fails loudly. CRC32C takes the fastest pass the CPU runs, chosen at run time
+(:data:`CRC32C_PASS`): carry-less multiplication folding 128-bit lanes (AVX2 and
+VPCLMULQDQ), the CRC32 instruction three streams at a time (SSE4.2), or a portable table,
+with the same results as the ``crc32c`` package.
 
 Buffers must be C-contiguous (``BufferError`` otherwise); destinations must be writable
 (``BufferError``). Each function names the argument and index of a bad item in its error.
@@ -172,21 +174,20 @@ def copy_many(
     two passes (the portable table; a pair whose source and destination overlap), the
     default reads the CRC back from the destination (a read) and ``crc_of_source`` takes it
     from the source just before the copy (a write). With the ``"fold"`` pass
-    (:data:`CRC32C_PASS`) the CRC costs the copy nothing measurable, and this call runs as
-    fast as numpy's copy; the CRC32 instruction's passes hold it below memcpy
-    (docs/performance.md). A pair of 1 MiB or more is stored non-temporally (no read of each
-    destination line first, no cache filled with it) where its destination is placed so
-    that this cannot stall the loads (see ``copy_crc32c_wide`` and ``streams_well`` in
-    ``csrc/crc32c.c``). The stores of a call are ordered before those of any later call (a
-    store fence ends a non-temporal copy), so a writer that copies payloads first and their
-    headers in a second call lands them in that order.
+    (:data:`CRC32C_PASS`) the CRC adds nothing to the copy's time: a copy with its checksum
+    runs as fast as a plain one, where the CRC32 instruction's passes (``"wide"``, 32-byte
+    stores; ``"narrow"``) fall short of it. A pair of 1 MiB or more is stored
+    non-temporally (no read of each destination line first, no cache filled with it) where
+    its destination is placed so that this cannot stall the loads (see ``copy_crc32c_wide``
+    and ``streams_well`` in ``csrc/crc32c.c``). The stores of a call are ordered before
+    those of any later call (a store fence ends a non-temporal copy), so a writer that
+    copies payloads first and their headers in a second call lands them in that order.
 
     A batch of 8 MiB or more ends on a helper thread: once what is left should take no
     longer than the interpreter's switch interval, a helper copies the rest while this
     thread takes the GIL back, so the wait for the GIL beside a busy Python thread (about
-    one switch interval) overlaps the copy instead of following it
-    (:func:`gil_handoffs` counts these), and a large read beside a busy thread keeps more
-    of its rate alone (docs/performance.md).
+    one switch interval) overlaps the copy instead of following it, and a large read beside
+    a busy thread keeps most of the rate it has alone (:func:`gil_handoffs` counts these).
     """
     return _native.copy_many(pairs, crc_spans, crc_of_source)
 

@@ -6,8 +6,8 @@ caller's memory (``sendmsg`` gathers, ``recvmsg`` scatters, ``IOV_MAX`` buffers 
 call) and release the GIL once for the call. Why once: a thread that takes the GIL back
 beside a busy Python thread waits out the interpreter's switch interval (5 ms by default),
 so a loop that takes it back per receive, per send and per CRC piece slows down with the
-number of pieces beside such a thread (docs/performance.md). A client's request
-and its reply, with the read's payloads and their CRC32Cs, are one call
+number of pieces beside such a thread (docs/performance.md). A client's request and its
+reply, with the read's payloads and their CRC32Cs, are one call
 (:meth:`Stream.request_reply`).
 
 A :class:`TlsStream` does the same over an ``ssl`` socket, in Python: the standard library's

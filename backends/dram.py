@@ -8,23 +8,20 @@ when the node dies, because a memfd lives only as long as someone holds it.
 At start the node allocates every page and fills its page tables (``dram.prefault``, on by
 default; several threads, the GIL released), as registering memory for RDMA would: a put
 into fresh memory otherwise traps once per 4 KiB page, in the node and in every client
-mapping it. It takes about a second per few GiB (the node's ready line and its
-``prefault_ms``); turn it off for capacities the machine should only commit as they fill.
+mapping it. It takes time in proportion to the capacity (the node's ready line and its
+``prefault_ms`` say how long); turn it off for capacities the machine should only commit as
+they fill.
 
 Each region asks for 2 MiB pages (``madvise``; ``dram.huge_pages``, on by default), which
 the kernel grants where its policy for shared memory allows (``kvfabric._runtime.huge_pages``;
 many distributions ship ``never``, where asking changes nothing). Page tables then take
-4 KiB per GiB instead of 2 MiB, in the node and in every shm client mapping its regions
-(2 GiB: 4.4 MB of them against 0.26), and every 4 KiB a read touches no longer costs a TLB
-miss. How much that buys depends on the host. On the 2-core VM kvfabric is built on, with
-the policy at ``advise``: on one host, shm reads of 64 x 4 MiB ran 2% faster and preparing
-2 GiB took 2.2-2.4 s instead of 0.6-0.8, so this was off by default; on a later one (a
-virtual machine where a TLB miss costs more), a copy out of a region ran at 4.7-5.5 GB/s
-instead of 3.7, ``kvfabric bench``'s shm get at 0.85x memcpy instead of 0.59-0.76x, and
-preparing 2 GiB took 0.29-0.37 s instead of 0.86-0.88. Turn it off
-(``dram.huge_pages=false``) where the start matters more and huge pages come slowly (a
-fragmented host). The node's ready line and its ``huge_page_bytes`` say what it got (under
-the kernel policy ``always`` regions get huge pages without asking).
+4 KiB per GiB instead of 2 MiB, in the node and in every shm client mapping its regions,
+and every 4 KiB a read touches no longer costs a TLB miss. How much that buys, in reads and
+in the time preparing the regions takes, depends on the host (docs/performance.md, "Backends
+and prefaulting"). Turn it off (``dram.huge_pages=false``) where the start matters more and
+huge pages come slowly (a fragmented host). The node's ready line and its
+``huge_page_bytes`` say what it got (under the kernel policy ``always`` regions get huge
+pages without asking).
 """
 
 from __future__ import annotations
@@ -45,6 +42,7 @@ from kvfabric._runtime.huge_pages import (
     policy_grants_advised,
     shmem_huge_policy,
 )
+from kvfabric._runtime.regions import region_sizes, release_mappings
 from kvfabric.errors import ConfigError, PluginUnavailableError
 from kvfabric.spi import (
     Backend,
@@ -63,8 +61,8 @@ __all__ = ["DramBackend"]
 
 log = logging.getLogger(__name__)
 
-# huge_page_bytes() reads /proc/self/smaps (about a millisecond); the node's heartbeat asks
-# every second, and what the kernel maps changes only by compaction or a split.
+# huge_page_bytes() reads /proc/self/smaps, too slow to repeat on each heartbeat (every
+# second), and what the kernel maps changes only by compaction or a split.
 _PAGES_STALE_AFTER = 30.0
 
 
@@ -96,8 +94,7 @@ class DramBackend(Backend):
             raise PluginUnavailableError("the dram backend needs Linux (os.memfd_create)")
 
     def __init__(self, config: BackendConfig) -> None:
-        if config.capacity <= 0 or config.region_size <= 0:
-            raise ConfigError("capacity and region_size must be positive")
+        sizes = region_sizes(config.capacity, config.region_size)
         self._fds: list[int] = []
         self._maps: list[mmap.mmap] = []
         self._regions: list[Region] = []
@@ -108,12 +105,9 @@ class DramBackend(Backend):
         self._name = f"kvfabric-region-{secrets.token_hex(4)}-"
         self._advise = bool(config.options.get("huge_pages", True))
         self._pages: tuple[float, int] | None = None  # (when, huge_page_bytes)
-        remaining = config.capacity
         try:
-            while remaining > 0:
-                size = min(remaining, config.region_size)
+            for size in sizes:
                 self._regions.append(self._make_region(len(self._regions), size))
-                remaining -= size
             if config.options.get("prefault", True):
                 self._prefault()
         except BaseException:
@@ -173,14 +167,7 @@ class DramBackend(Backend):
         return tuple(self._regions)
 
     def close(self) -> None:
-        # A caller still holding a numpy view of a region keeps its pages alive until it
-        # lets go; the mapping is then unmapped by the garbage collector instead.
-        for region in self._regions:
-            with contextlib.suppress(BufferError):
-                region.view.release()
-        for mapping in self._maps:
-            with contextlib.suppress(BufferError):
-                mapping.close()
+        release_mappings([region.view for region in self._regions], self._maps)
         for fd in self._fds:
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -11,11 +11,11 @@ What survives what:
 - **the process dying** (``kill -9``, OOM): everything written, because the bytes are in the
   kernel's page cache, which belongs to the file, not to the process;
 - **the machine losing power**: only what reached the disk. With ``file.sync=0`` (the
-  default) that is whatever the kernel had written back by itself (usually up to ~30 s old);
-  with ``file.sync=1s`` the node flushes its files every second (``msync``), so at most the
-  last second is lost. Either way a record torn by the crash fails its CRC32C when scanned
-  and is dropped, and a torn record that was already published reads as a miss: never as a
-  value.
+  default) that is whatever the kernel had written back by itself (pages dirty for longer
+  than ``vm.dirty_expire_centisecs``, 30 s by default); with ``file.sync=1s`` the node
+  flushes its files every second (``msync``), so at most the last second is lost. Either
+  way a record torn by the crash fails its CRC32C when scanned and is dropped, and a torn
+  record that was already published reads as a miss: never as a value.
 
 One node owns a directory at a time: the node holds an exclusive lock on
 ``<path>/kvfabric.lock`` while it runs, and a second node pointed at the same path is
@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvfabric._runtime.buffers import prefault_all
+from kvfabric._runtime.regions import region_sizes, release_mappings
 from kvfabric.errors import ConfigError, PluginUnavailableError
 from kvfabric.spi import (
     SLOT_ALIGN,
@@ -97,8 +98,7 @@ class FileBackend(Backend):
     def __init__(self, config: BackendConfig) -> None:
         if not config.path:
             raise ConfigError("the file backend needs a directory: --path DIR (on local NVMe)")
-        if config.capacity <= 0 or config.region_size <= 0:
-            raise ConfigError("capacity and region_size must be positive")
+        sizes = region_sizes(config.capacity, config.region_size, align=SLOT_ALIGN)
         self.directory = Path(config.path)
         self._sync_interval = float(config.options.get("sync", 0.0))
         prefault = bool(config.options.get("prefault", True))
@@ -112,14 +112,8 @@ class FileBackend(Backend):
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._lock_fd = _lock(self.directory)
-            remaining = config.capacity
-            while remaining > 0:
-                size = min(remaining, config.region_size)
-                size -= size % SLOT_ALIGN
-                if size <= 0:
-                    break
+            for size in sizes:
                 self._regions.append(self._open_region(len(self._regions), size, prefault))
-                remaining -= size
             if prefault:
                 self.prefault_seconds = prefault_all([r.view for r in self._regions])
                 log.debug(
@@ -189,12 +183,7 @@ class FileBackend(Backend):
         # A clean stop leaves the files complete on disk, whatever the sync setting.
         with contextlib.suppress(OSError):
             self.sync()
-        for region in self._regions:
-            with contextlib.suppress(BufferError):
-                region.view.release()
-        for mapping in self._maps:
-            with contextlib.suppress(BufferError):
-                mapping.close()
+        release_mappings([region.view for region in self._regions], self._maps)
         self._regions.clear()
         self._maps.clear()
         if self._lock_fd >= 0:

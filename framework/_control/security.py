@@ -6,7 +6,7 @@ key pair, one client key pair that the controller's ZAP handler admits, and the 
 plane's key — so knowing the secret is the credential, and nothing else is exchanged.
 
 The TCP data key never crosses the wire: the tcp transport proves it per connection with a
-challenge and response (``kvfabric.transports.tcp_auth``). A recorded handshake still lets
+challenge and response (``kvfabric.transports.tcp.auth``). A recorded handshake still lets
 an eavesdropper test guesses of the secret offline, so that key is derived with scrypt
 (2^14 rounds, 16 MiB, paid once per secret per process) rather than a fast hash; a
 secret of 32 random bytes is out of reach either way (docs/security.md).

@@ -1,34 +1,46 @@
-# Types of the C extension built from csrc/ (contracts: kvfabric._runtime.native).
+# Types of the C extension built from csrc/ (contracts: kvfabric._runtime.native), grouped by
+# the C file that holds each (csrc/module.c lists them).
 from collections.abc import Sequence
 
 from _typeshed import FileDescriptorLike, ReadableBuffer, WriteableBuffer
 
+# module.c
 GIL_RELEASE_MIN: int
 IOV_MAX: int
 CRC32C_PASS: str
 CRC32C_PASSES: tuple[str, ...]
 
+# sockets.c raises it
 class PeerClosed(ConnectionError):
     received: int
 
+# crc_batch.c
 def crc32c(data: ReadableBuffer, value: int = 0, /) -> int: ...
 def crc32c_with(pass_name: str, data: ReadableBuffer, value: int = 0, /) -> int: ...
 def copy_crc32c_with(
     pass_name: str, dest: WriteableBuffer, src: ReadableBuffer, value: int = 0, /
 ) -> int: ...
-def pack_headers(
-    keys: Sequence[bytes], versions: Sequence[int], lengths: Sequence[int], crcs: Sequence[int], /
-) -> bytes: ...
 def crc32c_many(
     values: Sequence[ReadableBuffer | Sequence[ReadableBuffer]],
     initial: Sequence[int] | None = None,
 ) -> list[int]: ...
+
+# headers.c
+def pack_headers(
+    keys: Sequence[bytes], versions: Sequence[int], lengths: Sequence[int], crcs: Sequence[int], /
+) -> bytes: ...
+
+# copies.c
 def copy_many(
     pairs: Sequence[tuple[WriteableBuffer, ReadableBuffer]],
     crc_spans: Sequence[tuple[int, int]] | None = None,
     crc_of_source: bool = False,
 ) -> list[int]: ...
+
+# prefault.c
 def prefault(buffer: ReadableBuffer, write: bool = True, force_touch: bool = False) -> bool: ...
+
+# sockets.c
 def send_all(
     fd: FileDescriptorLike, buffers: Sequence[ReadableBuffer], deadline: float | None
 ) -> int: ...
@@ -55,6 +67,8 @@ def recv_into_all(
     deadline: float | None,
     crc_spans: Sequence[tuple[int, int]] | None = None,
 ) -> list[int]: ...
+
+# exchange.c
 def request_reply(
     fd: FileDescriptorLike,
     request: Sequence[ReadableBuffer],
@@ -82,9 +96,12 @@ def request_reply_lanes(
     deadline: float | None,
     busy_poll: float = 0.0,
 ) -> list[list[int]]: ...
+
+# module.c
 def gil_reacquisitions() -> int: ...
 def gil_handoffs() -> int: ...
 
+# mutex.c
 class Mutex:
     def acquire(self) -> bool: ...
     def release(self) -> None: ...
@@ -92,6 +109,7 @@ class Mutex:
     def __enter__(self) -> bool: ...
     def __exit__(self, *exc: object) -> None: ...
 
+# ucp.c
 def ucp_post(
     rma: int,
     flush: int,

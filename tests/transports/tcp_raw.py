@@ -2,8 +2,8 @@
 that answers as a test scripts it, and in-process nodes given tcp options.
 
 For tests that send what a well-behaved client never would, or watch and alter what crosses
-the wire. Frame layouts come from ``kvfabric.transports.tcp_wire`` and the handshake from
-``kvfabric.transports.tcp_auth`` (the module docstrings there describe them).
+the wire. Frame layouts come from ``kvfabric.transports.tcp.wire`` and the handshake from
+``kvfabric.transports.tcp.auth`` (the module docstrings there describe them).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import attrs
 from kvfabric._node.node import DataNode
 from kvfabric._plugins import PluginOptions
 from kvfabric.spi import BackendConfig, NodeEndpoint, TransportConfig
-from kvfabric.transports.tcp_auth import (
+from kvfabric.transports.tcp.auth import (
     GREETING_SIZE,
     HELLO_SIZE,
     NONCE_SIZE,
@@ -30,7 +30,7 @@ from kvfabric.transports.tcp_auth import (
     server_proof,
     unpack_greeting,
 )
-from kvfabric.transports.tcp_wire import ENTRY, HEADER, MAGIC, VERSION, Op
+from kvfabric.transports.tcp.wire import ENTRY, HEADER, MAGIC, VERSION, Op
 
 __all__ = [
     "ENTRY",

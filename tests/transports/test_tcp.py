@@ -34,9 +34,9 @@ from kvfabric.testing import (
     segment_for,
 )
 from kvfabric.transports.tcp import TcpTransport
-from kvfabric.transports.tcp_auth import GREETING_SIZE
-from kvfabric.transports.tcp_stream import IOV_MAX
-from kvfabric.transports.tcp_wire import Code, Op
+from kvfabric.transports.tcp.auth import GREETING_SIZE
+from kvfabric.transports.tcp.stream import IOV_MAX
+from kvfabric.transports.tcp.wire import Code, Op
 
 _MIB = 1 << 20
 # A bound only a hang reaches.

@@ -30,7 +30,7 @@ from kvfabric._runtime.native import crc32c_many
 from kvfabric.errors import TransportError, TransportTimeoutError
 from kvfabric.spi import NodeEndpoint, RegionHandle, Segment, TransportClient
 from kvfabric.testing import BusyThread, RegionServer, open_client, segment_for
-from kvfabric.transports.tcp_wire import MAX_COUNT, Code, Op
+from kvfabric.transports.tcp.wire import MAX_COUNT, Code, Op
 
 _MIB = 1 << 20
 _COUNT = 64

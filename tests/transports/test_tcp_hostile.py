@@ -38,8 +38,8 @@ from kvfabric._runtime.native import SERVE_MAX_COUNT
 from kvfabric.errors import ConfigError, TransportError
 from kvfabric.spi import NodeEndpoint, Segment
 from kvfabric.testing import RegionServer, open_client, round_trip_works, segment_for
-from kvfabric.transports.tcp_auth import GREETING_SIZE, HELLO_SIZE
-from kvfabric.transports.tcp_wire import Code, Op
+from kvfabric.transports.tcp.auth import GREETING_SIZE, HELLO_SIZE
+from kvfabric.transports.tcp.wire import Code, Op
 
 _KEY = b"secret"
 # Far above what a thousand bounded connections cost the node (a few MiB measured), far

@@ -14,9 +14,9 @@ import kvfabric
 from kvfabric import chain_keys
 from kvfabric.errors import ConfigError
 from kvfabric.spi import Segment
-from kvfabric.transports.tcp_client import READ_LANE_MIN, _lane_cuts
-from kvfabric.transports.tcp_tuning import MAX_READ_LANES, parse_read_lanes
-from kvfabric.transports.tcp_wire import MAX_COUNT
+from kvfabric.transports.tcp.batches import READ_LANE_MIN, lane_cuts
+from kvfabric.transports.tcp.tuning import MAX_READ_LANES, parse_read_lanes
+from kvfabric.transports.tcp.wire import MAX_COUNT
 
 _MIB = 1 << 20
 
@@ -36,14 +36,14 @@ def test_equal_records_are_cut_into_equal_lanes_between_records() -> None:
     # A record as a store reads it: a 64-byte header, then its payload (the span).
     sizes = [64, 4 * _MIB] * 64
     spans = [(i + 1, i + 2) for i in range(0, len(sizes), 2)]
-    assert _lane_cuts(_segments(sizes), spans, 2) == [64]
-    assert _lane_cuts(_segments(sizes), spans, 4) == [32, 64, 96]
+    assert lane_cuts(_segments(sizes), spans, 2) == [64]
+    assert lane_cuts(_segments(sizes), spans, 4) == [32, 64, 96]
 
 
 def test_a_cut_never_falls_inside_a_span() -> None:
     sizes = [4 * _MIB] * 8
     spans = [(0, 5), (5, 8)]  # the middle (4) is inside the first span
-    cuts = _lane_cuts(_segments(sizes), spans, 2)
+    cuts = lane_cuts(_segments(sizes), spans, 2)
     assert cuts == [5]
     assert _lane_bytes(sizes, cuts) == [20 * _MIB, 12 * _MIB]
 
@@ -62,12 +62,12 @@ def test_a_cut_never_falls_inside_a_span() -> None:
 def test_a_read_that_should_not_be_cut_has_no_cuts(
     sizes: list[int], spans: list[tuple[int, int]] | None, lanes: int
 ) -> None:
-    assert _lane_cuts(_segments(sizes), spans, lanes) is None
+    assert lane_cuts(_segments(sizes), spans, lanes) is None
 
 
 def test_uneven_segments_are_cut_where_half_the_bytes_are_reached() -> None:
     sizes = [12 * _MIB, _MIB, _MIB, _MIB, 4 * _MIB, 4 * _MIB, _MIB]
-    cuts = _lane_cuts(_segments(sizes), None, 2)
+    cuts = lane_cuts(_segments(sizes), None, 2)
     assert cuts == [1]
     assert _lane_bytes(sizes, cuts) == [12 * _MIB, 12 * _MIB]
 

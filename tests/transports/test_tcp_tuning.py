@@ -4,7 +4,7 @@ node's (its reads).
 
 What is asserted is what the kernel holds for each socket (``SO_SNDBUF``: Linux keeps
 twice what it is given, capped at ``net.core.wmem_max``), never how fast bytes move: the
-speed is in ``kvfabric bench`` and ``kvfabric.transports.tcp_tuning``'s docstring.
+speed is in ``kvfabric bench`` and docs/performance.md.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from kvfabric._plugins import plugin_manager
 from kvfabric.errors import ConfigError
 from kvfabric.spi import TransportClient, TransportConfig
 from kvfabric.testing import segment_for
-from kvfabric.transports import tcp_tuning
-from kvfabric.transports.tcp_tuning import (
+from kvfabric.transports.tcp import tuning
+from kvfabric.transports.tcp.tuning import (
     AUTO,
     LOCAL_SEND_BUFFER,
     on_this_host,
@@ -96,11 +96,11 @@ def test_auto_leaves_a_remote_peers_buffer_to_the_kernel_faked_peer(
 ) -> None:
     # Only loopback can be reached here: the remote peer is this pair, declared remote.
     client, _ = pair
-    monkeypatch.setattr(tcp_tuning, "on_this_host", lambda sock: False)
+    monkeypatch.setattr(tuning, "on_this_host", lambda sock: False)
     untouched = client.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-    tcp_tuning.tune(client, AUTO)
+    tuning.tune(client, AUTO)
     assert client.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == untouched
-    tcp_tuning.tune(client, 1 << 20)  # a size is a size, remote or not
+    tuning.tune(client, 1 << 20)  # a size is a size, remote or not
     assert client.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == _held(1 << 20)
 
 

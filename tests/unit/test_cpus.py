@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvfabric._runtime.cpus import usable_cpus
-from kvfabric.transports.tcp_tuning import parse_read_lanes
+from kvfabric.transports.tcp.tuning import parse_read_lanes
 
 AFFINITY = len(os.sched_getaffinity(0))
 

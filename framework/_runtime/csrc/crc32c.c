@@ -70,8 +70,8 @@ uint32_t kvf_crc32c_table(uint32_t crc, const void *buf, size_t len) {
 #define SHORT 256
 /* Copies of at least this many bytes store with non-temporal stores (movnti), when
    streams_well() says so: no read-for-ownership of each destination line and no cache
-   filled with bytes the caller reads later, if at all. 4 MiB: 12-13 GB/s against memcpy's
-   11 here (scalar stores: 9.5). */
+   filled with bytes the caller reads later, if at all, so a large copy with its CRC runs
+   faster than memcpy (docs/performance.md). */
 #define STREAM_MIN (1u << 20)
 
 static uint32_t shift_long[4][256];
@@ -198,13 +198,12 @@ __attribute__((target("sse4.2"))) static uint32_t crc32c_hw(uint32_t crc, const 
    whose address matches a recent store's modulo 4 KiB waits for that store ("4K
    aliasing"); a non-temporal store lingers in a write-combining buffer until its line is
    whole, so when the destination runs a little ahead of the source modulo 4 KiB every load
-   waits on a half-filled line. Measured, 16 x 4 MiB copied with their CRCs, by how far the
-   destination runs ahead: 8-64 bytes 0.3-1 GB/s, 128-168 bytes 3.4-9.2, 184 bytes and more
-   10.0-12.8; plain stores 8.2-9.9 at every distance. So streaming only where the
-   destination is 8-byte aligned and level with the source or at least 256 bytes ahead of
-   it. That covers most gets: records sit in 64-byte-aligned slots, so their payloads fall
-   at every multiple of 64 modulo 4 KiB. (At 2 KiB, as this was first set, half of a batch's
-   records took plain stores.) */
+   waits on a half-filled line: a destination a little ahead of the source makes
+   non-temporal stores far slower than plain ones, one far enough ahead makes them faster
+   (docs/performance.md). So streaming only where the destination is 8-byte aligned and
+   level with the source or at least 256 bytes ahead of it. That covers most gets: records
+   sit in 64-byte-aligned slots, so their payloads fall at every multiple of 64 modulo
+   4 KiB. */
 static int streams_well(const unsigned char *out, const unsigned char *next) {
     uintptr_t ahead = ((uintptr_t)out - (uintptr_t)next) & 4095;
     return ((uintptr_t)out & 7) == 0 && (ahead == 0 || ahead >= 256);
@@ -291,13 +290,12 @@ __attribute__((target("avx2,sse4.2"))) static inline uint64_t crc32c_256(uint64_
 }
 
 /* copy_crc32c_hw's pass with 32-byte loads and stores (AVX2), the destination aligned to 32
-   bytes first. Why: 8-byte stores, plain or non-temporal, left the copy at 0.68-0.93x
-   memcpy on a host whose memcpy moves 5-6 GB/s (64 x 4 MiB laid out as a get lays them:
-   payloads at 64-byte steps, destinations at 0, 8, 16 or 64 modulo 4 KiB); 32-byte stores
-   run at 0.93-1.2x there, checksum included, and at 0.9-1.1x wherever the destination
-   sits against the source modulo 4 KiB. Non-temporal from STREAM_MIN except within 256
-   bytes either side of level with the source modulo 4 KiB, where plain 32-byte stores
-   measured faster (4K aliasing, as for streams_well). */
+   bytes first. Why: 8-byte stores, plain or non-temporal, hold the copy below memcpy where
+   a get lays its records out (payloads at 64-byte steps); 32-byte stores bring it to
+   memcpy's speed, checksum included, wherever the destination sits against the source
+   modulo 4 KiB (docs/performance.md). Non-temporal from STREAM_MIN except within 256 bytes
+   either side of level with the source modulo 4 KiB, where plain 32-byte stores are faster
+   (4K aliasing, as for streams_well). */
 __attribute__((target("avx2,sse4.2"))) static uint32_t copy_crc32c_wide(void *dest,
                                                                          const void *src,
                                                                          size_t len,
@@ -355,17 +353,16 @@ __attribute__((target("avx2,sse4.2"))) static uint32_t copy_crc32c_wide(void *de
 
 /* -- folding ---------------------------------------------------------------------------------
  *
- * Why: the CRC32 instruction takes 8 bytes a cycle at best (~27 GB/s here, in cache), and a
- * copy that feeds it every word it stores ran at 0.6-0.75x of memcpy on a host whose memcpy
- * moves 11-17 GB/s (a Zen 5 VM), the loop's CRC chains holding back how many loads are in
- * flight. Folding, after Intel's "Fast CRC Computation for Generic Polynomials Using
+ * Why: the CRC32 instruction takes 8 bytes a cycle at best, and a copy that feeds it every
+ * word it stores runs well below memcpy on a host whose memcpy is fast, the loop's CRC
+ * chains holding back how many loads are in flight (docs/performance.md). Folding, after Intel's "Fast CRC Computation for Generic Polynomials Using
  * PCLMULQDQ": a CRC is linear, so a 128-bit lane of the message can be carried forward over
  * D bits by two carry-less products with the constants x^(D+32) and x^(D-32) mod P and xored
  * into the lane found D bits later. Eight lanes (four 32-byte registers) fold 128 bytes at a
  * time with no chain longer than one product; what is left is folded down to one lane,
- * whose CRC the CRC32 instruction takes. 64 x 4 MiB copied with their CRCs as a get lays
- * them out: 19-20 GB/s against memcpy's 15-17 and the CRC32-instruction passes' 10-11 (the
- * same with 64-byte registers and AVX-512 measured no faster, so this needs only AVX2).
+ * whose CRC the CRC32 instruction takes. A copy with its CRC then runs faster than memcpy
+ * (docs/performance.md); 64-byte registers (AVX-512) were no faster, so this needs only
+ * AVX2.
  * The CRC is still of the very bytes stored: each register is stored and then folded.
  * Needs AVX2 and VPCLMULQDQ: Intel since Ice Lake (and Alder Lake's cores), AMD since Zen 3. */
 #define FOLD_TARGET __attribute__((target("avx2,vpclmulqdq,pclmul,sse4.2")))

@@ -1,4 +1,4 @@
-/* A tcp node's loop for READ frames, without the GIL (kvfabric.transports.tcp_server).
+/* A tcp node's loop for READ frames, without the GIL (kvfabric.transports.tcp.server).
  *
  * One call serves one connection's small READ frames, one after another, until something
  * needs Python: the peer closed or was woken, it sat idle too long, a frame stalled, a
@@ -16,8 +16,8 @@
 #include <stdint.h>
 
 #define KVF_SERVE_MAX_COUNT 256
-#define KVF_WIRE_HEADER 20 /* tcp_wire.HEADER: <4sBBHIQ */
-#define KVF_WIRE_ENTRY 28  /* tcp_wire.ENTRY: <IQQQ */
+#define KVF_WIRE_HEADER 20 /* tcp.wire.HEADER: <4sBBHIQ */
+#define KVF_WIRE_ENTRY 28  /* tcp.wire.ENTRY: <IQQQ */
 
 enum kvf_serve_rc {
     KVF_SERVE_CLOSED = 0,    /* the peer closed (or was woken) between frames */
@@ -29,7 +29,7 @@ enum kvf_serve_rc {
     KVF_SERVE_TRUNCATED = 6, /* the peer closed in the middle of a frame */
 };
 
-/* Counters, in this order (tcp_server.NATIVE_COUNTERS). */
+/* Counters, in this order (kvfabric._runtime.native.SERVE_COUNTERS). */
 enum { KVF_C_FRAMES, KVF_C_REQUESTS, KVF_C_SEGMENTS, KVF_C_BYTES, KVF_C_REFUSED, KVF_C_N };
 
 typedef struct {

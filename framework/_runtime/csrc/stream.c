@@ -70,9 +70,9 @@ static int wait_ready(kvf_stream *s) {
 }
 
 /* Whether to retry at once rather than sleep in poll(): within spin_ns of the first
-   would-wait. On an idle host a sleeping thread's wake-up costs more than a small reply's
-   whole round trip over loopback (~40 us of a ~65 us one here); a bounded spin keeps that
-   off the short calls and costs a long one at most spin_ns of one CPU. */
+   would-wait. On an idle host a sleeping thread's wake-up is most of a small reply's round
+   trip over loopback (docs/performance.md); a bounded spin keeps that off the short calls
+   and costs a long one at most spin_ns of one CPU. */
 int kvf_stream_spinning(kvf_stream *s) {
     if (s->spin_ns <= 0)
         return 0;

@@ -4,10 +4,10 @@ Both sides move bytes through a :class:`Stream`: kvfabric's native loops
 (``kvfabric._runtime.native``) move a whole list of buffers straight between the socket and the
 caller's memory (``sendmsg`` gathers, ``recvmsg`` scatters, ``IOV_MAX`` buffers per system
 call) and release the GIL once for the call. Why once: a thread that takes the GIL back
-beside a busy Python thread waits out the interpreter's switch interval (5 ms), and the
-Python loops this replaced took it back per receive, per send and per CRC piece (a 64 x
-4 MiB read ran at 0.14x of its rate beside one busy thread; issue 12). A client's request
-and its reply, with the read's payloads and their CRC32Cs, are one call
+beside a busy Python thread waits out the interpreter's switch interval (5 ms by default),
+so a loop that takes it back per receive, per send and per CRC piece slows down with the
+number of pieces beside such a thread (docs/performance.md). A client's request and its
+reply, with the read's payloads and their CRC32Cs, are one call
 (:meth:`Stream.request_reply`).
 
 A :class:`TlsStream` does the same over an ``ssl`` socket, in Python: the standard library's
@@ -65,8 +65,7 @@ __all__ = [
 VIEWS_PER_CALL = 4096
 # The first receive of a size the peer announced (a frame's table): memory then grows with
 # what actually arrived, never with what a header announced. A page: a thousand
-# connections that announce the largest table and send nothing hold 4 MiB (64 KiB each
-# measured 87 MiB of the node's RSS).
+# connections that announce the largest table and send nothing hold 4 MiB.
 _GROW_FIRST = 4096
 # TLS: sends smaller than this are copied together into one record.
 _COALESCE_BELOW = 16 * 1024
@@ -106,11 +105,9 @@ HOLD_GIL = 0.001
 reply with the GIL held before letting it go (the client passes it to
 :meth:`Stream.request_reply` for reads). Beside a busy Python thread (an engine's
 scheduler), taking the GIL back costs about one switch interval, 5 ms: a reply within this
-costs none, and the busy thread waits only until it comes (at most this long). A loopback
-round trip here is ~50 us to a server that is running and ~400 us to one that must be woken
-first (this VM), which a 200 us hold missed; a datacenter network's is 10-100 us. Measured
-here, a 64-key lookup every 2 ms beside a busy thread, alternating: a median 0.76 ms with
-this hold against 5.9 ms without."""
+costs none, and the busy thread waits only until it comes (at most this long). Long enough
+for a round trip to a server that must be woken first, short against the switch interval
+(docs/performance.md has the round trips and what the hold saves)."""
 
 
 class Stream:

@@ -1,22 +1,4 @@
-"""The ``tcp`` transport: one-sided reads and writes emulated by threads on the data node.
-
-The fallback for nodes no RDMA fabric reaches. The node checks every segment again (a
-client is not trusted) and moves bytes straight between the socket and region memory; the
-client keeps a pool of authenticated connections per node. The pieces, one job each:
-
-- ``tcp_wire``: the frame format (version 2) and its limits;
-- ``tcp_auth``: the per-connection challenge and response: the secret never crosses the
-  wire, and a recorded handshake is refused on any other connection;
-- ``tcp_stream``: socket I/O bounded by deadlines: plain, kvfabric's native loops (a
-  client's frame, request to last payload with its CRC32Cs, is one native call that takes
-  the GIL back once); with TLS, Python's ``ssl`` (the GIL back per ``ssl`` call);
-- ``tcp_tls``: optional TLS (``tcp.tls=true``) from the standard library's ``ssl``;
-- ``tcp_gate``: the node's accept loop, where connections that have not authenticated
-  wait, bounded in number, time and memory;
-- ``tcp_server`` / ``tcp_client``: the two sides.
-
-Threats and what each setting defends against: docs/security.md.
-"""
+"""The ``tcp`` transport's options and capabilities, and the client and node it makes from them."""
 
 from __future__ import annotations
 
@@ -25,19 +7,17 @@ from kvfabric.spi import (
     Capabilities,
     MemoryKind,
     OptionSpec,
-    Registry,
     Transport,
     TransportClient,
     TransportConfig,
     TransportServer,
-    hookimpl,
     parse_bool,
     parse_duration,
 )
-from kvfabric.transports.tcp_client import TcpClient
-from kvfabric.transports.tcp_server import ServerLimits, TcpServer
-from kvfabric.transports.tcp_tls import ca_file, client_context, pem_file, server_context
-from kvfabric.transports.tcp_tuning import parse_read_lanes, parse_send_buffer
+from kvfabric.transports.tcp.client import TcpClient
+from kvfabric.transports.tcp.server import ServerLimits, TcpServer
+from kvfabric.transports.tcp.tls import ca_file, client_context, pem_file, server_context
+from kvfabric.transports.tcp.tuning import parse_read_lanes, parse_send_buffer
 
 __all__ = ["TcpTransport"]
 
@@ -168,8 +148,3 @@ class TcpTransport(Transport):
             parse_send_buffer(options["send_buffer"]),
             parse_read_lanes(options["read_lanes"]),
         )
-
-
-@hookimpl
-def kvfabric_register_transports(registry: Registry[Transport]) -> None:
-    registry.add(TcpTransport.name, TcpTransport)

@@ -1,15 +1,15 @@
 """The ``tcp`` node: serves authenticated connections, a thread each, against its regions.
 
-Connections arrive here from :class:`~kvfabric.transports.tcp_gate.Gate` once their
+Connections arrive here from :class:`~kvfabric.transports.tcp.gate.Gate` once their
 handshake is done. Each then gets a thread that serves its frames one at a time, every
 segment checked again against the regions (``kvfabric.spi.RegionTable``: the client is not
 trusted), a refused segment moving no bytes. On a plain connection, READ frames of up to
 ``SERVE_MAX_COUNT`` (256) entries — a lookup's read of the image, most reads of records —
-never reach Python: ``kvfabric._runtime.native.serve_reads`` waits for them, checks them by the same
-rules and replies, frame after frame, holding no GIL (a 64-key lookup over tcp cost the
-image's server 50-80 µs of CPU in Python, 30 in C). It hands back anything else with its
+never reach Python: ``kvfabric._runtime.native.serve_reads`` waits for them, checks them by
+the same rules and replies, frame after frame, holding no GIL (and at a fraction of what
+serving them in Python cost: docs/performance.md). It hands back anything else with its
 header read. Python serves those: bytes go straight between the socket and region memory
-(:class:`~kvfabric.transports.tcp_stream.Stream`: kvfabric's native loops, so a frame of up
+(:class:`~kvfabric.transports.tcp.stream.Stream`: kvfabric's native loops, so a frame of up
 to 4,096 segments takes the GIL back about twice: once after waiting for the frame, once
 after moving its payloads; with TLS, once per ``ssl`` call).
 
@@ -52,8 +52,8 @@ from kvfabric.spi import (
     TransportServer,
     byte_view,
 )
-from kvfabric.transports.tcp_gate import GATE_COUNTERS, Gate
-from kvfabric.transports.tcp_stream import (
+from kvfabric.transports.tcp.gate import GATE_COUNTERS, Gate
+from kvfabric.transports.tcp.stream import (
     VIEWS_PER_CALL,
     PeerClosed,
     Stream,
@@ -61,8 +61,8 @@ from kvfabric.transports.tcp_stream import (
     peer_closed,
     wake,
 )
-from kvfabric.transports.tcp_tuning import AUTO, tune
-from kvfabric.transports.tcp_wire import (
+from kvfabric.transports.tcp.tuning import AUTO, tune
+from kvfabric.transports.tcp.wire import (
     ENTRY,
     HEADER,
     MAGIC,

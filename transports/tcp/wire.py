@@ -4,7 +4,7 @@ Version 2, little-endian ``struct`` (never pickle). Every frame starts with one 
 
     header   magic b"KVFT" | version u8 | op u8 | code u16 | count u32 | request id u64
 
-A connection opens with a handshake (``kvfabric.transports.tcp_auth``): the node's
+A connection opens with a handshake (``kvfabric.transports.tcp.auth``): the node's
 GREETING, then, inside TLS when the node offers it, the client's HELLO and the node's
 HELLO reply. After that it carries one request and its reply at a time::
 

@@ -11,11 +11,9 @@ own address at both ends) gets a fixed 256 KiB; any other keeps the kernel's aut
 Over loopback, the receiver copies what the sender just copied in. With autotuning the
 sender stays up to 4 MiB (``tcp_wmem``'s maximum) ahead of the receiver, and the bytes have
 left the cache by the time the receiver reads them. With 256 KiB (512 KiB in use, since the
-kernel doubles what it is given) they are still there. On the 2-core VM kvfabric is built
-on, 64 x 4 MiB batches went from 4.2-4.7 to 5.6-6.4 GB/s for a put and from 4.1-4.3 to
-4.8-5.7 for a get, and a raw socket stream from 4.1-4.3 to 5.6-5.9 GB/s. 128 KiB was
-slower (4.6), and so were fixed 4-16 MiB (2.4-3.2). Other machines' caches differ:
-``kvfabric bench`` measures, and ``tcp.send_buffer`` changes it.
+kernel doubles what it is given) they are still there, and large puts and gets run faster
+than with autotuning, smaller or larger fixed sizes (docs/performance.md). Other machines'
+caches differ: ``kvfabric bench`` measures, and ``tcp.send_buffer`` changes it.
 
 Across a network the buffer must hold what is in flight, bandwidth times round trip (100
 Gb/s at 50 µs is 625 KB), and autotuning sizes it to that; ``auto`` leaves it alone there.
@@ -62,10 +60,9 @@ def parse_read_lanes(text: str | int) -> int:
 
     ``auto`` is 2 where this process can keep at least 4 CPUs busy (those it may run on,
     capped by its cgroups' CPU quota: :func:`kvfabric._runtime.cpus.usable_cpus`), else 1. A
-    second lane is a second receiving thread: over loopback on this project's 2-core VM,
-    64 x 4 MiB reads ran 1.14x faster with it, alone and beside a busy Python thread, but
-    that thread kept 0.63 of its counting rate instead of 1.0 (alternated, six pairs): on
-    two cores the lane's gain is CPU taken from the rest of the process.
+    second lane is a second receiving thread: it speeds a large read up, but on a machine
+    with few CPUs what it gains is CPU taken from the rest of the process, a busy Python
+    thread beside it included (docs/performance.md).
     """
     if isinstance(text, str) and text.strip().lower() == "auto":
         return 2 if usable_cpus() >= _LANES_MIN_CPUS else 1

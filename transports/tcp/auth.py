@@ -29,7 +29,7 @@ import hmac
 import secrets
 
 from kvfabric.errors import ProtocolError
-from kvfabric.transports.tcp_wire import VERSION
+from kvfabric.transports.tcp.wire import VERSION
 
 __all__ = [
     "FLAG_TLS",

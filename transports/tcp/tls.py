@@ -6,7 +6,7 @@ attacker on the path cannot stand in for the node, and every byte after the gree
 encrypted and authenticated (TLS 1.2 at least; 1.3 where both sides have it). There is no
 unverified mode: a TLS that accepted any certificate would let that attacker relay the
 handshake and then read and alter the data. The client's credential stays the secret,
-proved inside TLS by the handshake (``kvfabric.transports.tcp_auth``).
+proved inside TLS by the handshake (``kvfabric.transports.tcp.auth``).
 """
 
 from __future__ import annotations

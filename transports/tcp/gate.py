@@ -33,7 +33,7 @@ import time
 from typing import Protocol, cast
 
 from kvfabric.spi import Counters
-from kvfabric.transports.tcp_auth import (
+from kvfabric.transports.tcp.auth import (
     FLAG_TLS,
     HELLO_SIZE,
     NONCE_SIZE,
@@ -42,8 +42,8 @@ from kvfabric.transports.tcp_auth import (
     pack_greeting,
     server_proof,
 )
-from kvfabric.transports.tcp_stream import Stream, TlsStream
-from kvfabric.transports.tcp_wire import HEADER, MAGIC, VERSION, Code, Op, pack_header
+from kvfabric.transports.tcp.stream import Stream, TlsStream
+from kvfabric.transports.tcp.wire import HEADER, MAGIC, VERSION, Code, Op, pack_header
 
 __all__ = ["GATE_COUNTERS", "Admission", "Gate"]
 

@@ -245,9 +245,8 @@ class Eviction:
         for key in plan.victims:
             self._table.remove(key, self._entries[key], now, immediate=True)
             self._counters["evictions"] += 1
-        for offset in plan.retired:
-            self._regions.release_early(plan.space, offset)
-            self._counters["early_reuse"] += 1
+        self._regions.release_early(plan.space, plan.retired)
+        self._counters["early_reuse"] += len(plan.retired)
 
     # -- the LRU walk ------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ after ``grace`` seconds (or sooner, when eviction reuses it early).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 from kvfabric.descriptor import Descriptor
 from kvfabric.indexes.memory_space import RegionSpace
@@ -111,9 +112,10 @@ class Regions:
             # Zero when the slot was already reused early (its token no longer matches).
             self.retired_bytes -= space.release(offset, token)
 
-    def release_early(self, space: RegionSpace, offset: int) -> None:
-        """A retired slot is free before its grace ended (eviction reuses it)."""
-        self.retired_bytes -= space.release(offset)
+    def release_early(self, space: RegionSpace, offsets: Sequence[int]) -> None:
+        """Retired slots are free before their grace ended (eviction reuses them)."""
+        for offset in offsets:
+            self.retired_bytes -= space.release(offset)
 
     def drop_released_head(self) -> None:
         """Drop the head of the queue while it names slots no longer retired (reused early):

@@ -173,7 +173,10 @@ class Eviction:
         none can, nothing is evicted: evicting the oldest entry and searching again would
         empty the store for a value that still does not fit.
         """
-        if self._regions.fits(size, exclude):
+        if any(
+            s.allocator.largest_free() >= size and s.node not in exclude
+            for s in self._regions.spaces.values()
+        ):
             return
         plans = self._candidate_windows(size, now, exclude) or self._any_windows(size, now, exclude)
         if plans:
@@ -194,13 +197,15 @@ class Eviction:
         when a window evicting nothing exists (none is cheaper)."""
         keep_value = functools.partial(self._keep_value, now=now)
         plans: list[Plan] = []
-        # A slot reused before its grace ended stays queued until its time comes; under
-        # churn such slots pile up at the head (the oldest retired slots are the seeds
-        # reused first). Drop those at the head, and look at a bounded stretch past it, so
-        # a put does not walk past all of them.
-        self._regions.drop_released_head()
+        # A slot reused before its grace ended stays queued (in the regions' queue) until
+        # its time comes; under churn such slots pile up at the head (the oldest retired
+        # slots are the seeds reused first). Drop those at the head, and look at a bounded
+        # stretch past it, so a put does not walk past all of them.
+        retired = self._regions.retired
+        while retired and not still_retired(retired[0]):
+            retired.popleft()
         seeds = 0
-        for queued in itertools.islice(self._regions.retired, _RETIRED_LOOKAHEAD):
+        for queued in itertools.islice(retired, _RETIRED_LOOKAHEAD):
             if seeds == _WINDOW_SEEDS:
                 break
             space = queued[1]
@@ -245,8 +250,11 @@ class Eviction:
         for key in plan.victims:
             self._table.remove(key, self._entries[key], now, immediate=True)
             self._counters["evictions"] += 1
-        self._regions.release_early(plan.space, plan.retired)
-        self._counters["early_reuse"] += len(plan.retired)
+        regions = self._regions
+        for offset in plan.retired:
+            # Reused before its grace ended: free now, out of the regions' retired bytes.
+            regions.retired_bytes -= plan.space.release(offset)
+            self._counters["early_reuse"] += 1
 
     # -- the LRU walk ------------------------------------------------------------------
 

@@ -157,11 +157,10 @@ class Grants:
         self, req: AllocationRequest, size: int, now: float, exclude: set[int], *, evict: bool
     ) -> Descriptor | None:
         """Grant one copy on a node not in ``exclude`` (evicting to make room if allowed)."""
-        regions = self._regions
-        placed = regions.fit(size, exclude)
+        placed = self._regions.fit(size, exclude)
         if placed is None and evict:
             self._eviction.make_room(size, now, exclude)
-            placed = regions.fit(size, exclude)
+            placed = self._regions.fit(size, exclude)
         if placed is None:
             return None
         space, offset = placed

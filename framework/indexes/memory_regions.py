@@ -11,7 +11,6 @@ after ``grace`` seconds (or sooner, when eviction reuses it early).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
 
 from kvfabric.descriptor import Descriptor
 from kvfabric.indexes.memory_space import RegionSpace
@@ -31,8 +30,9 @@ class Regions:
         self.spaces: dict[tuple[int, int], RegionSpace] = {}
         """(node, region) -> its space."""
         self.retired: deque[Retirement] = deque()
-        """Oldest first. A slot reused early stays queued until its time comes or eviction
-        drops it from the head (see :func:`still_retired`)."""
+        """Oldest first. A slot reused early stays queued until its time comes, or until
+        eviction, which seeds windows from the head, drops it from there (see
+        :func:`still_retired`)."""
         self.retired_bytes = 0
         self._grace = grace
 
@@ -71,13 +71,6 @@ class Regions:
         assert offset is not None
         return best, offset
 
-    def fits(self, size: int, exclude: set[int]) -> bool:
-        """Whether :meth:`fit` would find a slot now, taking nothing."""
-        return any(
-            s.allocator.largest_free() >= size and s.node not in exclude
-            for s in self.spaces.values()
-        )
-
     # -- retiring ----------------------------------------------------------------------
 
     def vacate(
@@ -111,18 +104,6 @@ class Regions:
             _, space, offset, token = self.retired.popleft()
             # Zero when the slot was already reused early (its token no longer matches).
             self.retired_bytes -= space.release(offset, token)
-
-    def release_early(self, space: RegionSpace, offsets: Sequence[int]) -> None:
-        """Retired slots are free before their grace ended (eviction reuses them)."""
-        for offset in offsets:
-            self.retired_bytes -= space.release(offset)
-
-    def drop_released_head(self) -> None:
-        """Drop the head of the queue while it names slots no longer retired (reused early):
-        under churn they pile up there, and eviction's seeds are read from the head."""
-        retired = self.retired
-        while retired and not still_retired(retired[0]):
-            retired.popleft()
 
     # -- how much ----------------------------------------------------------------------
 

@@ -1,18 +1,19 @@
 """The memory index's lookup image: its published entries, as a table clients read one-sided.
 
 The index keeps one from the start (unless its size is 0), served or not: it calls
-:meth:`MemoryImage.put` for every entry it publishes and :meth:`MemoryImage.remove` for every
-entry that leaves, under its own lock, so there is one writer, and answers lookups that reach
-it from the image too (:meth:`MemoryImage.prefix`, which also stamps each hit's use in memory
-of the index's own, :meth:`MemoryImage.last_use`). The format is :mod:`kvfabric._runtime.image`'s;
-this module owns the memory and where each key sits.
+:meth:`MemoryImage.show` for every entry it publishes (and whenever an entry's copies change)
+and :meth:`MemoryImage.hide` for every entry that leaves, under its own lock, so there is one
+writer, and answers lookups that reach it from the image too (:meth:`MemoryImage.prefix`,
+which also stamps each hit's use in memory of the index's own, :meth:`MemoryImage.last_use`).
+The format is :mod:`kvfabric._runtime.image`'s; this module owns the memory and where each
+key sits: an entry's copy read first under its key, each other copy under an alternate key.
 
 The memory is a memfd, like the ``dram`` backend's regions: a client on the same host maps
 it read-only, and the controller registers it with its transport servers like a region.
 Its pages, and those of the index's use stamps, are faulted in when it is made, as a data
 node's regions are: a fresh shared page traps on its first write, and a publish writes one
-bucket a key at random places, so a fresh index's first puts paid a trap per key (an image
-of 16 MiB: 20-30 ms once, at start, here).
+bucket a key at random places, so without it a fresh index's first puts would pay a trap
+per key.
 Keys never move: a key goes into the first free bucket of its window and stays there until
 it leaves (readers rely on it, see the format). A key whose window is full is *spilled*:
 not in the image, counted in its home bucket, so lookups of that home ask the index.
@@ -27,12 +28,15 @@ import os
 import secrets
 from collections.abc import Sequence
 
+import attrs
+
 from kvfabric._runtime.buffers import prefault_all
 from kvfabric._runtime.image import (
     IMAGE_HEADER_SIZE,
     IMAGE_REGION,
     ImageGeometry,
     ImageStop,
+    alternate_key,
     image_beat,
     image_exists,
     image_prefix,
@@ -53,8 +57,11 @@ class MemoryImage:
     """One image and the bookkeeping of where each key sits; not thread-safe (the index's
     lock guards it)."""
 
-    def __init__(self, size: int) -> None:
-        """``size``: bytes at most (rounded down to a power-of-two bucket count)."""
+    def __init__(self, size: int, *, replicas: int = 1) -> None:
+        """``size``: bytes at most (rounded down to a power-of-two bucket count).
+        ``replicas``: copies the index keeps of each value (all but the first go under
+        alternate keys)."""
+        self._replicas = replicas
         self.geometry = ImageGeometry.fitting(secrets.randbits(63) | 1, size)
         total = self.geometry.size
         self._fd = os.memfd_create("kvfabric-lookup-image", os.MFD_CLOEXEC)
@@ -111,6 +118,27 @@ class MemoryImage:
         self._where[key] = slot
         self._stamps[slot] = 0.0
         image_store(self._view, slot, descriptor.to_bytes(), -1)
+
+    def show(self, key: bytes, first: Descriptor, alternates: Sequence[Descriptor]) -> None:
+        """A published entry, or its copies changed: the copy read first goes under its key,
+        each other copy under :func:`~kvfabric._runtime.image.alternate_key` (those it no
+        longer has come out)."""
+        self.put(first)
+        if self._replicas == 1:
+            return
+        for n in range(1, self._replicas):
+            if n <= len(alternates):
+                self.put(attrs.evolve(alternates[n - 1], key=alternate_key(key, n)))
+            else:
+                self.remove(alternate_key(key, n))
+
+    def hide(self, key: bytes) -> None:
+        """The entry left: its key and its alternates come out."""
+        self.remove(key)
+        if self._replicas == 1:
+            return
+        for n in range(1, self._replicas):
+            self.remove(alternate_key(key, n))
 
     def remove(self, key: bytes) -> None:
         """The key is no longer published (a no-op for a key the image does not hold)."""
@@ -223,6 +251,12 @@ class NoImage:
         return 0.0
 
     def put(self, descriptor: Descriptor) -> None:
+        pass
+
+    def show(self, key: bytes, first: Descriptor, alternates: Sequence[Descriptor]) -> None:
+        pass
+
+    def hide(self, key: bytes) -> None:
         pass
 
     def remove(self, key: bytes) -> None:

@@ -8,11 +8,11 @@ by end, so the neighbours of any slot are found in O(1).
 
 That is what eviction needs to make *usable* room. Under churn with mixed value sizes,
 freeing the least recently used entries one by one leaves free space scattered in holes
-too small for the next value (the store refused 85 % of puts while 27 % of it was free).
-Instead, when a value does not fit, :meth:`RegionSpace.plan` grows a contiguous window
-around a candidate victim — swallowing free extents, retired slots and published
-neighbours — until it holds the value, and prices it by what would be evicted. The index
-evicts the cheapest window among a few candidates, and the value fits at once.
+too small for the next value, so a store with free space would refuse puts. Instead,
+when a value does not fit, :meth:`RegionSpace.plan` grows a contiguous window around a
+candidate victim — swallowing free extents, retired slots and published neighbours — until
+it holds the value, and prices it by what would be evicted. The index evicts the cheapest
+window among a few candidates, and the value fits at once.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from manual_clock import Clock
 
 from kvfabric._runtime.record import record_size
 from kvfabric.indexes.memory import MemoryIndex
+from kvfabric.indexes.memory_eviction import Eviction
 from kvfabric.indexes.memory_space import RegionSpace
 from kvfabric.keys import fold_key
 from kvfabric.spi.index import (
@@ -206,7 +207,7 @@ def test_headroom_for_a_many_key_put_is_made_in_one_ranked_pass(
     for _ in range(7):  # keys 0 and 1: the oldest, but eight writers stored them
         assert _put(index, _key(0), _key(1)) == [AllocationKind.EXISTS] * 2
     clock.now += 1
-    sampled = _count_calls(monkeypatch, MemoryIndex, "_evict_one")
+    sampled = _count_calls(monkeypatch, Eviction, "_evict_one")
     assert _put(index, *(_key(i) for i in range(100, 106))) == [AllocationKind.GRANTED] * 6
     kept = index.exists([_key(i) for i in (*range(10), *range(100, 106))])
     assert kept == [True, True] + [False] * 6 + [True, True] + [True] * 6
@@ -300,7 +301,7 @@ def test_churn_within_the_grace_reuses_retired_slots_pricing_one_window_per_put(
     stats = index.stats()
     assert stats["early_reuse"] >= puts
     # The queue of retirements holds what is still retired, not every slot reused early.
-    assert len(index._retired) <= 10
+    assert len(index._regions.retired) <= 10
 
 
 def test_reregistering_a_node_keeps_its_id_and_entries() -> None:

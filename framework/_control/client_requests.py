@@ -1,0 +1,124 @@
+"""The clients' requests a controller serves: each decoded, applied to the index, encoded.
+
+Lookups (``NODES``, ``LOOKUP_PREFIX``, ``RESOLVE``, ``EXISTS``, ``IMAGE``), writes
+(``ALLOCATE``, ``PUBLISH``, ``ABORT``, ``LEASE_EXTENTS``, ``PUBLISH_CARVED``), removals
+(``UNPUBLISH``, ``REPORT_INVALID``) and use reports (``TOUCH``). Every handler reads its
+whole frame before it returns what applying it does, so a frame refused for any reason
+has no effect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvfabric._control.image_publisher import ImagePublisher
+from kvfabric._control.refusal import Handler
+from kvfabric._runtime.codec import Reader, Writer
+from kvfabric._wire import protocol as p
+from kvfabric._wire.protocol import MsgType
+from kvfabric.spi.index import IndexPlugin
+
+__all__ = ["CLIENT_TYPES", "ClientRequests"]
+
+CLIENT_TYPES = frozenset(
+    {
+        MsgType.NODES,
+        MsgType.LOOKUP_PREFIX,
+        MsgType.RESOLVE,
+        MsgType.EXISTS,
+        MsgType.ALLOCATE,
+        MsgType.PUBLISH,
+        MsgType.ABORT,
+        MsgType.UNPUBLISH,
+        MsgType.IMAGE,
+        MsgType.LEASE_EXTENTS,
+        MsgType.PUBLISH_CARVED,
+    }
+)
+"""Requests that serve clients' lookups and writes: what "control RPCs" counts."""
+
+
+class ClientRequests:
+    """The handlers of clients' requests against one index (``handlers``, by type)."""
+
+    def __init__(self, index: IndexPlugin, image: ImagePublisher) -> None:
+        self._index = index
+        self._image = image
+        self.handlers: dict[int, Handler] = {
+            MsgType.NODES: self._nodes,
+            MsgType.LOOKUP_PREFIX: self._lookup_prefix,
+            MsgType.RESOLVE: self._resolve,
+            MsgType.EXISTS: self._exists,
+            MsgType.ALLOCATE: self._allocate,
+            MsgType.PUBLISH: self._publish,
+            MsgType.ABORT: self._abort,
+            MsgType.UNPUBLISH: self._unpublish,
+            MsgType.REPORT_INVALID: self._report_invalid,
+            MsgType.IMAGE: self._image_location,
+            MsgType.TOUCH: self._touch,
+            MsgType.LEASE_EXTENTS: self._lease_extents,
+            MsgType.PUBLISH_CARVED: self._publish_carved,
+        }
+
+    def _nodes(self, r: Reader) -> Callable[[], bytes]:
+        return lambda: p.write_nodes(self._index.nodes())
+
+    def _lookup_prefix(self, r: Reader) -> Callable[[], bytes]:
+        keys = p.read_keys(r)
+        # With replicas the reply ends with the keys' other copies (absent when none).
+        return lambda: p.write_copies(self._index.lookup_copies(keys), optional=False)
+
+    def _resolve(self, r: Reader) -> Callable[[], bytes]:
+        keys = p.read_keys(r)
+        return lambda: p.write_copies(self._index.resolve_copies(keys), optional=True)
+
+    def _exists(self, r: Reader) -> Callable[[], bytes]:
+        keys = p.read_keys(r)
+        return lambda: p.write_flags(self._index.exists(keys))
+
+    def _allocate(self, r: Reader) -> Callable[[], bytes]:
+        requests = p.read_allocation_requests(r)
+        return lambda: p.write_allocate_result(self._index.allocate(requests))
+
+    def _publish(self, r: Reader) -> Callable[[], bytes]:
+        grants = p.read_grants(r)
+        return lambda: p.write_flags(self._index.publish(grants))
+
+    def _lease_extents(self, r: Reader) -> Callable[[], bytes]:
+        need, want, count, exclude, returned = p.read_lease_request(r)
+        return lambda: p.write_extents(
+            self._index.lease_extents(need, want, count, exclude, returned)
+        )
+
+    def _publish_carved(self, r: Reader) -> Callable[[], bytes]:
+        records, again = p.read_carved(r)
+        return lambda: p.write_carve_outcomes(self._index.publish_carved(records, again))
+
+    def _abort(self, r: Reader) -> Callable[[], bytes]:
+        grants = p.read_grants(r)
+
+        def apply() -> bytes:
+            self._index.abort(grants)
+            return b""
+
+        return apply
+
+    def _unpublish(self, r: Reader) -> Callable[[], bytes]:
+        keys = p.read_keys(r)
+        return lambda: Writer().u32(self._index.unpublish(keys)).getvalue()
+
+    def _image_location(self, r: Reader) -> Callable[[], bytes]:
+        return lambda: p.write_image_location(self._image.location)
+
+    def _touch(self, r: Reader) -> Callable[[], bytes]:
+        keys = p.read_keys(r)
+
+        def apply() -> bytes:
+            self._index.touch(keys)
+            return b""
+
+        return apply
+
+    def _report_invalid(self, r: Reader) -> Callable[[], bytes]:
+        records = p.read_grants(r)
+        return lambda: Writer().u32(self._index.drop_invalid(records)).getvalue()

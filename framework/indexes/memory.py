@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvfabric.descriptor import Descriptor
+from kvfabric.indexes.index_counters import LOOKUP_COUNTERS, WRITE_COUNTERS
 from kvfabric.indexes.memory_entries import EntryTable
 from kvfabric.indexes.memory_eviction import Eviction
 from kvfabric.indexes.memory_extents import Extents
@@ -63,28 +64,8 @@ __all__ = ["MemoryIndex"]
 _IMAGE_SIZE = 16 << 20
 
 _COUNTERS = (
-    "lookups",
-    "lookup_keys",
-    "prefix_hits",
-    "resolves",
-    "resolve_hits",
-    "exists_calls",
-    "grants",
-    "dedup_hits",
-    "in_flight",
-    "no_space",
-    "oversize",
-    "published",
-    "publish_rejected",
-    "aborted",
-    "unpublished",
-    "evictions",
-    "early_reuse",
-    "lease_expiries",
-    "invalid_reports",
-    "restored",
-    "restore_duplicates",
-    "restore_overlaps",
+    *LOOKUP_COUNTERS,
+    *WRITE_COUNTERS,
     "touches",
     "touched_keys",
     "replica_grants",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvfabric.indexes.index_counters import LOOKUP_COUNTERS, WRITE_COUNTERS
 from kvfabric.spi import Counters
 
 if TYPE_CHECKING:
@@ -21,12 +22,7 @@ if TYPE_CHECKING:
 __all__ = ["ARENA_COUNTERS", "CLIENT_COUNTERS", "ROUND_COUNTERS", "IndexStats"]
 
 CLIENT_COUNTERS = (
-    "lookups",
-    "lookup_keys",
-    "prefix_hits",
-    "resolves",
-    "resolve_hits",
-    "exists_calls",
+    *LOOKUP_COUNTERS,
     "unavailable_calls",
     "unreplicated_publishes",
     "stale_arenas",
@@ -40,22 +36,7 @@ ROUND_COUNTERS = ("rounds", "round_trips", "failed_round_trips", "topology_refre
 """This client's traffic to Redis (in ``stats``; per master too, ``shardN_round_trips``)."""
 
 ARENA_COUNTERS = (
-    "grants",
-    "dedup_hits",
-    "in_flight",
-    "no_space",
-    "oversize",
-    "published",
-    "publish_rejected",
-    "aborted",
-    "unpublished",
-    "evictions",
-    "early_reuse",
-    "lease_expiries",
-    "invalid_reports",
-    "restored",
-    "restore_duplicates",
-    "restore_overlaps",
+    *WRITE_COUNTERS,
     "hosted_drops",
     "replicas_dropped",
 )

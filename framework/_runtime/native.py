@@ -280,7 +280,7 @@ def serve_reads(
     needed; returns why, and the errno for :attr:`ServeEnd.ERRNO`.
 
     ``regions``: ``(id, rkey, memory, size)`` each. Each frame's entries are checked as
-    :func:`~kvfabric.spi.segment_status` does, ``counters`` (``len(SERVE_COUNTERS)``
+    :func:`kvfabric.spi.segments.segment_status` does, ``counters`` (``len(SERVE_COUNTERS)``
     8-aligned u64) bumped atomically before the reply, and the reply and the accepted bytes
     go in one gather. ``idle_since`` (one 8-aligned i64) holds ``time.monotonic()`` in ns
     while it waits for a frame, 0 within one. The GIL is released for the whole call: a

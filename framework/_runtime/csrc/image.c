@@ -21,9 +21,9 @@
  * check (the seqlock shows every torn read there); a mirror's bulk-copied buckets do. A
  * mirror takes only ring entries whose number and CRC hold.
  *
- * Probes and applies keep the GIL: a window is 512 bytes, so even 1,024 keys are ~50 us
- * of work, less than the switch interval a return of the GIL would wait out beside a busy
- * thread.
+ * Probes and applies keep the GIL: a window is 512 bytes, so even a lookup of 1,024 keys
+ * is less work than the switch interval a return of the GIL would wait out beside a busy
+ * thread (docs/performance.md, "The lookup image").
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -603,8 +603,7 @@ static PyObject *kvf_image_beat(PyObject *self, PyObject *args) {
 }
 
 /* The position of the first item of a sequence that is not a 32-byte bytes, or -1: a
-   client checks every key of a lookup by RPC, and the same loop in Python cost 57 us for
-   1,024 keys. */
+   client checks every key of a lookup, so the loop is C rather than Python. */
 static PyObject *kvf_first_bad_key(PyObject *self, PyObject *keys) {
     PyObject *fast = PySequence_Fast(keys, "keys must be a sequence of 32-byte keys");
     if (!fast)

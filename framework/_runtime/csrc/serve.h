@@ -6,7 +6,7 @@
  * with its header read, for Python to serve or refuse), or a socket error. Per frame:
  * the header, the entry table (on the stack: at most KVF_SERVE_MAX_COUNT entries, so no
  * size the peer sent is allocated), each entry checked against the regions (known
- * region, rkey, bounds: the rules of kvfabric.spi.segment_status), the counters bumped
+ * region, rkey, bounds: the rules of kvfabric.spi.segments.segment_status), the counters bumped
  * before the reply, then the reply and the accepted bytes in one gather. No Python here.
  */
 #ifndef KVF_SERVE_H

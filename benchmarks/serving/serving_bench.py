@@ -396,20 +396,35 @@ class Bench:
             self.engines.append({"name": name, "config": config, "failed": str(exc)})
             raise
         _log(f"engine {name} ready in {seconds:.0f}s")
+        try:
+            self._check_and_warm(engine, config, seconds)
+        except BaseException:
+            engine.stop()
+            raise
+        return engine
+
+    def _check_and_warm(self, engine: VllmServer, config: str, seconds: float) -> None:
         broken = engine.error_after("LMCache ERROR") if config == "lmcache" else None
         if broken:
             # LMCache's vLLM connector keeps the engine up when its worker side fails, and
             # then every lookup waits for that worker until it times out.
-            engine.stop()
             reason = f"the engine starts, but LMCache's worker side fails: {broken}"
-            self.engines[-1]["failed"] = reason
-            raise EngineFailed(f"{reason} (log: {log})")
+            self.engines.append({"name": engine.name, "config": config, "failed": reason})
+            raise EngineFailed(f"{reason} (log: {engine.log})")
         self.engines.append(
-            {"name": name, "config": config, "ready_seconds": seconds, "log": str(log)}
+            {
+                "name": engine.name,
+                "config": config,
+                "ready_seconds": seconds,
+                "log": str(engine.log),
+            }
         )
         # First requests on a new engine pay for lazy set-up: not part of any measurement.
         warmup = build(
-            "unique", self._sizes(unique=2, unique_tokens=64), self.shape.vocab, f"warm-{name}"
+            "unique",
+            self._sizes(unique=2, unique_tokens=64),
+            self.shape.vocab,
+            f"warm-{engine.name}",
         )
         asyncio.run(
             run_workload(
@@ -424,7 +439,6 @@ class Bench:
         )
         if self.calibration is None:
             self._calibrate(engine, config)
-        return engine
 
     def _sizes(self, **changes: int) -> WorkloadSizes:
         return WorkloadSizes(**{**asdict(self.sizes), **changes})
@@ -473,7 +487,7 @@ class Bench:
         try:
             for name in self.args.workloads:
                 workload = build(name, self.sizes, self.shape.vocab, pass_name=f"{config}/{run}")
-                before = prompt_token_sources(asyncio.run(fetch_metrics(engine.base)))
+                before = _sources(engine)
                 started = time.perf_counter()
                 samples = asyncio.run(
                     run_workload(
@@ -487,7 +501,7 @@ class Bench:
                     )
                 )
                 wall = time.perf_counter() - started
-                after = prompt_token_sources(asyncio.run(fetch_metrics(engine.base)))
+                after = _sources(engine)
                 sources = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
                 self.samples += samples
                 self.passes.append(
@@ -741,6 +755,15 @@ class Bench:
                 "samples": [s.to_json() for s in self.samples],
             },
         )
+
+
+def _sources(engine: VllmServer) -> dict[str, float]:
+    """The engine's prompt tokens by source so far ({} if it cannot say: it died)."""
+    try:
+        return prompt_token_sources(asyncio.run(fetch_metrics(engine.base)))
+    except Exception as exc:
+        _log(f"engine {engine.name}: no metrics ({type(exc).__name__}: {exc})")
+        return {}
 
 
 def _version(*names: str) -> str:

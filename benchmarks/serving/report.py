@@ -301,35 +301,60 @@ def host_projection(
     )
 
 
+def _binned(samples: Sequence[Sample], edges: np.ndarray) -> tuple[list[float], list[float]]:
+    """Median TTFT of the samples in each prompt-length bin, at the bin's median length."""
+    x, y = [], []
+    for i, (lo, hi) in enumerate(itertools.pairwise(edges)):
+        last = i == len(edges) - 2
+        inside = [s for s in samples if lo <= s.prompt_tokens and (s.prompt_tokens < hi or last)]
+        ttfts = [s.ttft for s in inside if s.ttft is not None]
+        if ttfts:
+            x.append(float(np.median([s.prompt_tokens for s in inside])))
+            y.append(float(np.median(ttfts)))
+    return x, y
+
+
+def _edges(lengths: Sequence[int], bins: int) -> np.ndarray:
+    values = np.asarray(sorted(set(lengths)), dtype=float)
+    if len(values) == 1:
+        return np.array([values[0], values[0] + 1])
+    return np.unique(np.quantile(values, np.linspace(0, 1, min(bins, len(values)) + 1)))
+
+
 def plot(rows: Sequence[Measured], workloads: Sequence[str], path: Path) -> None:
-    """TTFT by prompt length, one line per configuration, one panel per workload."""
+    """TTFT by prompt length, one line per configuration: every workload together, then one
+    panel per workload."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
-    panels = [w for w in workloads if any(r.workload == w and r.ok for r in rows)]
-    if not panels:
+    measured = [r for r in rows if r.ok]
+    if not measured:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
-    for ax, workload in zip(axes[0], panels, strict=True):
-        mine = [r for r in rows if r.workload == workload and r.ok]
-        lengths = sorted({s.prompt_tokens for r in mine for s in r.ok})
-        edges = np.unique(np.quantile(lengths, np.linspace(0, 1, min(8, len(lengths)) + 1)))
-        for row in mine:
-            x, y = [], []
-            for lo, hi in itertools.pairwise(edges):
-                inside = [s.ttft for s in row.ok if lo <= s.prompt_tokens <= hi and s.ttft]
-                if inside:
-                    x.append((lo + hi) / 2)
-                    y.append(float(np.median(inside)))
-            if len(edges) < 2:
-                x, y = [lengths[0]], [float(np.median([s.ttft for s in row.ok if s.ttft]))]
-            ax.plot(x, y, marker="o", label=row.label)
-        ax.set_title(workload)
+    panels = ["all workloads"] + [w for w in workloads if any(r.workload == w for r in measured)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.4), squeeze=False)
+    labels = list(dict.fromkeys(r.label for r in measured))
+    for ax, panel in zip(axes[0], panels, strict=True):
+        mine = [r for r in measured if panel == "all workloads" or r.workload == panel]
+        edges = _edges(
+            [s.prompt_tokens for r in mine for s in r.ok], 12 if panel == panels[0] else 8
+        )
+        for label in labels:
+            samples = [s for r in mine if r.label == label for s in r.ok]
+            if samples:
+                x, y = _binned(samples, edges)
+                ax.plot(x, y, marker="o", label=label)
+        ax.set_title(panel)
         ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("median TTFT (s)")
+        ax.set_ylabel("median TTFT")
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _seconds(v)))
+        low, high = ax.get_ylim()
+        # Within one decade there may be no major tick: label the minor ones then.
+        minor = (lambda v, _: _seconds(v)) if high < 10 * low else (lambda v, _: "")
+        ax.yaxis.set_minor_formatter(FuncFormatter(minor))
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()

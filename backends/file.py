@@ -57,6 +57,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvfabric._runtime.bounds import MAX_DURATION, bounded
 from kvfabric._runtime.buffers import prefault_all
 from kvfabric._runtime.region_files import RegionFiles, copy_on_write_filesystem, free_bytes
 from kvfabric._runtime.regions import region_sizes, release_mappings
@@ -95,7 +96,7 @@ class FileBackend(Backend):
     options = (
         OptionSpec(
             name="sync",
-            parse=parse_duration,
+            parse=bounded(parse_duration, above=0.0, at_most=MAX_DURATION, zero="off", unit="s"),
             default=0.0,
             help="flush the files to disk this often (0: leave it to the kernel)",
         ),

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+import kvfabric
 from kvfabric.testing import Cluster, free_port, wait_for
 
 _KVFABRIC = [sys.executable, "-m", "kvfabric"]
@@ -213,6 +214,15 @@ def test_a_node_that_fits_keeps_clients_and_itself_alive_when_the_disk_fills(
         url = cluster.url(transport="shm")
         everything = (_VALUES, 0)
         wait_for("the restarted node's records", lambda: _client(url, put=False)[1:] == everything)
+
+
+def test_with_prefault_off_the_files_are_still_allocated_in_full(tmp_path: Path) -> None:
+    url = f"embedded://?backend=file&path={tmp_path}&capacity=8MiB&region_size=4MiB"
+    with kvfabric.connect(url + "&file.prefault=false"):
+        regions = sorted(tmp_path.glob("region-*.kvf"))
+        assert len(regions) == 2
+        for region in regions:
+            assert region.stat().st_blocks * 512 >= 4 << 20
 
 
 def _punch_hole(path: Path, offset: int, length: int) -> None:

@@ -213,10 +213,16 @@ def node_from(
     # Checked before any region is allocated: a capacity this machine cannot give fails
     # here with what to do, not halfway through allocation.
     check_capacity(capacity, region_size, plugin_manager().backend(args.backend))
+    transports = [t.strip() for t in args.transport.split(",") if t.strip()]
+    if not transports or transports == ["none"]:
+        raise ConfigError(
+            f"--transport {args.transport!r}: a data node serves over at least one transport "
+            "(e.g. tcp,shm; `kvfabric plugins` lists them)"
+        )
     try:
         return DataNode.create(
             backend=args.backend,
-            transports=[t.strip() for t in args.transport.split(",") if t.strip()],
+            transports=transports,
             backend_config=BackendConfig(
                 capacity=capacity, region_size=region_size, path=args.path
             ),

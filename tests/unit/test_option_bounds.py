@@ -139,6 +139,8 @@ def _listen() -> str:
         (("controller", "--metrics-port", "0", "--metrics-host", "hôst"), "--metrics-host 'hôst'"),
         (("node", "--transport-opt", "tcp.pool=-1"), "tcp.pool='-1': '-1' is out of range"),
         (("stats", "--timeout", "0"), "--timeout: '0' is out of range"),
+        (("node", "--transport", " , "), "--transport ' , ': a data node serves over at least"),
+        (("serve", "--transport", "none"), "--transport 'none': a data node serves over"),
     ],
 )
 def test_server_commands_refuse_nonsense_in_one_line_naming_the_option(

@@ -4,7 +4,8 @@ Every round trip the store makes to its index (a controller, or a shared index s
 Redis) goes through :class:`IndexCalls`, so ``control_rpcs`` counts them all and the read
 contract holds in one place: an index that does not answer in time is
 ``controller_unavailable``, an error or malformed reply is ``controller_errors``; both are
-logged and give ``None``, which the callers turn into misses (0, False, None, ``FAILED``).
+logged (a line a minute per kind, then with a count of those not logged) and give
+``None``, which the callers turn into misses (0, False, None, ``FAILED``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from kvfabric._runtime.log_limit import LimitedLog
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ControllerUnavailableError, ProtocolError, RemoteError
 from kvfabric.spi.counters import Counters
@@ -30,6 +32,8 @@ class IndexCalls:
     def __init__(self, index: Index, counters: Counters) -> None:
         self.index = index
         self._counters = counters
+        # One line a minute per kind of failure, however many calls fail meanwhile.
+        self._limited = LimitedLog(log)
 
     def ask(self, method: Callable[..., T], *args: Any) -> T | None:
         """One index call, counted; a failure of the index is counted, logged and gives
@@ -39,10 +43,12 @@ class IndexCalls:
             return method(*args)
         except ControllerUnavailableError as exc:
             self._counters.add("controller_unavailable")
-            log.warning("kvfabric: index unavailable (%s): treating as a miss", exc)
+            self._limited.warning(
+                "unavailable", "kvfabric: index unavailable (%s): treating as a miss", exc
+            )
         except (RemoteError, ProtocolError) as exc:
             self._counters.add("controller_errors")
-            log.warning("kvfabric: index error (%s): treating as a miss", exc)
+            self._limited.warning("error", "kvfabric: index error (%s): treating as a miss", exc)
         return None
 
     def resolve(self, keys: Sequence[bytes]) -> list[Descriptor | None]:

@@ -97,6 +97,7 @@ class Store:
             counters=counters,
             touches=self._touches,
             observer=self._observer,
+            max_value=options.max_value,
         )
         self._reads = Reads(
             calls=calls, topology=topology, records=records, prefetch=prefetch, counters=counters
@@ -183,7 +184,11 @@ class Store:
         """Keep descriptors another client resolved, for the reads that follow.
 
         Only a shortcut, like every prefetched descriptor: reads still validate each
-        record, and one that no longer matches is resolved again.
+        record, and one that no longer matches is resolved again. Descriptors are inputs
+        from elsewhere and checked as such: one longer than ``max_value`` is not kept (its
+        key is resolved when read; nothing of that size is allocated), and one naming a
+        node, region or offset this store cannot read makes that key a miss. Anything but
+        a ``Descriptor`` is a TypeError.
         """
         self._lookups.remember(descriptors)
 

@@ -28,7 +28,7 @@ import attrs
 
 from kvfabric._client.image_reader import ImageReader, could_read, open_image
 from kvfabric._client.record_io import RecordIO
-from kvfabric._client.shared_index import IndexUpkeep, check_shared
+from kvfabric._client.shared_index import check_shared, client_parts
 from kvfabric._client.store import Opener, Store, StoreParts
 from kvfabric._control.client import ControlClient
 from kvfabric._control.remote_index import RemoteIndex
@@ -130,19 +130,7 @@ def _shared_opener(
             for client in clients.values():
                 client.close()
             raise
-        upkeep: list[IndexUpkeep] = []
-
-        def stop_upkeep() -> None:
-            for job in upkeep:
-                job.stop()
-
-        return StoreParts(
-            index=index,
-            records=RecordIO(clients, list(clients)),
-            # Run in reverse: the upkeep stops before the index closes under it.
-            on_close=[index.close, stop_upkeep],
-            start=lambda: upkeep.append(IndexUpkeep(index, store)),
-        )
+        return client_parts(index, RecordIO(clients, list(clients)), store)
 
     return open_shared
 

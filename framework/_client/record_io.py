@@ -114,10 +114,10 @@ class RecordIO:
 
     def __init__(self, clients: Mapping[str, TransportClient], preference: Sequence[str]) -> None:
         """``clients``: a transport client per name; ``preference``: names, most preferred first."""
+        self._generation = forks.generation()
         self._routes = Routes(clients, preference)
         self._lock = threading.Lock()
         self._io_pool: ThreadPoolExecutor | None = None
-        self._generation = forks.generation()
 
     # -- membership ----------------------------------------------------------------------
 

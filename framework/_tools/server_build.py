@@ -159,7 +159,7 @@ def reservation_limits_from(args: argparse.Namespace) -> ReservationLimits:
             share = -1.0
         if not 0 < share <= 1:
             raise ConfigError(
-                f"--max-client-bytes: {text!r} is not a share of the capacity (above 0%, at most 100%)"
+                f"--max-client-bytes: {text!r} is not a share of the capacity (0% to 100%)"
             )
         return ReservationLimits(share=share, grants=args.max_client_grants)
     size = _size(text, "--max-client-bytes")

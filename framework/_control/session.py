@@ -55,10 +55,11 @@ CHUNK_BYTES = 256 << 10
 """Encoded bytes of one chunk, at most (a controller's ``--max-frame`` must exceed it)."""
 WINDOW = 4
 """Chunks of one exchange in flight at once: the controller always has the next queued."""
-PER_ITEM_ALLOWANCE = 50e-6
-"""Seconds a request's deadline grows by per item: several times what the costliest
-request (allocate) costs the controller per key, so a large request is never cut short by
-its size alone."""
+PER_ITEM_ALLOWANCE = 250e-6
+"""Seconds a request's deadline grows by per item: some twenty times what the costliest
+request (allocate) costs an idle controller per key, so a large request is cut short by
+neither its size nor a busy host (each chunk must still come within ``control_timeout`` of
+the one before, so a controller that stopped is noticed as soon as for one call)."""
 
 Reply: TypeAlias = "Reader | RemoteError | ProtocolError | None"
 """One chunk's outcome: the reply's body, the error it was answered with (the chunk had no

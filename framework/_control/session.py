@@ -90,6 +90,7 @@ class ControlSession:
         self._sock: zmq.Socket[bytes] | None = client.checkout()
         self._unanswered = False
         self._answered = False
+        self._sent = False
         self.epochs: set[int] = set()
         """The controller epochs of the replies so far (two: it restarted meanwhile)."""
 
@@ -133,8 +134,8 @@ class ControlSession:
         their replies: one :data:`Reply` per body. ``enough(i, reply)``: True when no chunk
         after ``i`` is needed (a lookup that found a gap); those are not sent (None).
 
-        Raises :class:`ControllerUnavailableError` only when the first chunk could not be
-        sent (no controller connected): nothing was served.
+        Raises :class:`ControllerUnavailableError` only when nothing of this session
+        could be sent (no controller connected): nothing was served.
         """
         sock = self._sock
         if sock is None:
@@ -151,19 +152,20 @@ class ControlSession:
             while True:
                 while not stop and sent < len(bodies) and len(waiting) < WINDOW:
                     request_id = client.next_request_id()
-                    frame = encode(msg_type, request_id, bodies[sent])
-                    if not self._send(sock, frame, deadline, first=sent == 0):
+                    if not self._send(sock, encode(msg_type, request_id, bodies[sent]), deadline):
+                        self._unanswered = True  # the rest is not sent: not answered either
                         stop = True
                         break
                     waiting[request_id] = sent
                     sent += 1
                 if not waiting:
                     break
-                wait_until = min(deadline, quiet_until)
-                if not sock.poll(_remaining_ms(wait_until), zmq.POLLIN):
-                    self._unanswered = True
+                if not sock.poll(_remaining_ms(min(deadline, quiet_until)), zmq.POLLIN):
                     break
-                header, reader = decode_header(sock.recv(zmq.NOBLOCK))
+                try:
+                    header, reader = decode_header(sock.recv(zmq.NOBLOCK))
+                except ProtocolError:
+                    continue  # not a reply to anything: its request stays unanswered
                 position = waiting.pop(header.request_id, None)
                 if position is None:
                     continue  # a late reply to a request of an earlier exchange
@@ -179,29 +181,34 @@ class ControlSession:
                     stop = True
         except zmq.ZMQError as exc:
             self._unanswered = True
-            if not self._answered and sent == 0:
+            if not self._sent:
                 raise ControllerUnavailableError(f"controller {client.endpoint}: {exc}") from exc
+        finally:
+            # Sent and not answered (timed out, or the caller's ``enough`` raised): this
+            # socket may still get those replies, so it is never reused.
+            if waiting:
+                self._unanswered = True
         return replies
 
-    def _send(self, sock: zmq.Socket[bytes], frame: bytes, deadline: float, *, first: bool) -> bool:
+    def _send(self, sock: zmq.Socket[bytes], frame: bytes, deadline: float) -> bool:
         """Send one chunk; False when it could not go before the deadline (the rest are
-        not sent). No connection up for the first chunk of a session raises, as a call's
-        would."""
+        not sent). Raises when nothing of this session could be sent (no connection up),
+        as a call would."""
         try:
             sock.send(frame, zmq.NOBLOCK)
-            return True
         except zmq.Again:
             # Not connected (yet), or the pipe is full: the socket never queues for an
             # absent controller.
             if not sock.poll(_remaining_ms(deadline), zmq.POLLOUT):
-                if first and not self._answered:
+                if not self._sent:
                     self._unanswered = True
                     raise ControllerUnavailableError(
                         f"no controller at {self._client.endpoint}"
                     ) from None
                 return False
             sock.send(frame, zmq.NOBLOCK)
-            return True
+        self._sent = True
+        return True
 
 
 def _remaining_ms(deadline: float) -> int:

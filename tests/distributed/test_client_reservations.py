@@ -87,7 +87,9 @@ def test_a_greedy_client_is_held_to_its_share_and_an_honest_client_keeps_storing
             assert 0 < kinds["GRANTED"] <= (32 << 20) // _VALUE
             assert kinds["NO_SPACE"] >= 64
             # The honest client stores twice the capacity meanwhile, one put after another.
-            assert _honest_puts(honest, 64) == {PutOutcome.STORED: 64 * 16}
+            outcomes = _honest_puts(honest, 64)
+            print(f"\ngreedy client: {kinds}; honest client: {dict(outcomes)}")
+            assert outcomes == {PutOutcome.STORED: 64 * 16}
             controller = cluster.stats()["controller"]
             assert controller["reservations_refused"] >= 64
             assert controller["reserving_clients"] >= 1

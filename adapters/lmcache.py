@@ -33,6 +33,7 @@ from typing import Any, NamedTuple, TypeVar
 import kvfabric
 from kvfabric import PutOutcome, Store
 from kvfabric._runtime.buffers import copy_into
+from kvfabric._runtime.log_limit import LimitedLog
 from kvfabric.adapters.lmcache_hashing import warn_if_chunk_hashes_unshared
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ConfigError, PluginUnavailableError, ValueTooLargeError
@@ -232,6 +233,9 @@ class KVFabricConnector(RemoteConnector):  # type: ignore[misc]
         self._lookups = _Lookups(max_entries=_MAX_LOOKUPS, ttl=options.prefetch_ttl)
         self._stored = _Stored(_MAX_LISTED)
         self._closed = False
+        # A layout that does not fit, or a chunk over max_value, recurs per record or
+        # put: a line a minute each, with a count of the rest.
+        self._limited = LimitedLog(log)
 
     def fold(self, key: CacheEngineKey) -> bytes:
         return fold_cache_key(key, self.layout)
@@ -376,7 +380,9 @@ class KVFabricConnector(RemoteConnector):  # type: ignore[misc]
                 raise ValueError(f"{size} bytes of a {len(self.meta_shapes)}-group layout")
             fitted = self.reshape_partial_chunk(obj, size)
         except ValueError as exc:
-            log.warning("kvfabric record does not fit this LMCache layout (%s): a miss", exc)
+            self._limited.warning(
+                "size", "kvfabric record does not fit this LMCache layout (%s): a miss", exc
+            )
             obj.ref_count_down()
             return None
         # lmcache 0.5.6's reshape_partial_chunk updates the shape but not the per-group
@@ -389,14 +395,18 @@ class KVFabricConnector(RemoteConnector):  # type: ignore[misc]
         try:
             meta = RemoteMetadata.deserialize(header)
         except (struct.error, ValueError, KeyError) as exc:
-            log.warning("kvfabric record has no valid LMCache header (%s): a miss", exc)
+            self._limited.warning(
+                "header", "kvfabric record has no valid LMCache header (%s): a miss", exc
+            )
             obj.ref_count_down()
             return None
         if meta.fmt == self.meta_fmt and meta.dtypes == self.meta_dtypes:
             fitted = self._fit(obj, meta.length)
             if fitted is None or fitted.get_shapes() == meta.shapes:
                 return fitted
-            log.warning("kvfabric record of shape %s does not fit this layout", meta.shapes)
+            self._limited.warning(
+                "shape", "kvfabric record of shape %s does not fit this layout", meta.shapes
+            )
             fitted.ref_count_down()
             return None
         # Another layout (layerwise chunks): a new object as the header says, filled from
@@ -450,7 +460,7 @@ class KVFabricConnector(RemoteConnector):  # type: ignore[misc]
             outcomes = self.store.batched_put(folded, values)
         except ValueTooLargeError as exc:
             # A chunk larger than the store's max_value: configuration, not an outage.
-            log.error("kvfabric: %d chunks not stored: %s", len(keys), exc)
+            self._limited.error("too large", "kvfabric: %d chunks not stored: %s", len(keys), exc)
             return
         for key, k, outcome in zip(keys, folded, outcomes, strict=True):
             if outcome in (PutOutcome.STORED, PutOutcome.DEDUPLICATED):

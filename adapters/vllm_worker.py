@@ -25,6 +25,7 @@ from typing import Any
 import torch  # type: ignore[import-not-found, unused-ignore]
 
 import kvfabric
+from kvfabric._runtime.log_limit import LimitedLog
 from kvfabric.adapters.vllm_keys import KeySpace, Rank
 from kvfabric.adapters.vllm_metadata import KVFabricHandshake, KVFabricMetadata, Transfer
 from kvfabric.adapters.vllm_pages import PagedKV
@@ -115,6 +116,9 @@ class WorkerSide:
         self._enabled = enabled
         self._max_pending_save_bytes = max_pending_save_bytes
         self.counters = Counters(WORKER_COUNTERS)
+        # What recurs per load or save (blocks that did not load, saves falling behind):
+        # a line a minute each, with a count of the rest.
+        self._limited = LimitedLog(log)
         self.rank: Rank = (0, 0)
         self.layout = ""
         """This worker's KV layout as namespace text (set by ``register_kv_caches``)."""
@@ -239,7 +243,8 @@ class WorkerSide:
         self._load_errors.update(block_ids[i] for i in bad)
         self._failed_loads.update(owners[i] for i in bad)
         self.counters.add("load_errors", len(bad))
-        log.warning(
+        self._limited.warning(
+            "load",
             "KVFabricConnector: %d of %d blocks did not load intact: vLLM recomputes them",
             len(bad),
             len(keys),
@@ -272,7 +277,9 @@ class WorkerSide:
                 self._pending_save_bytes += size
         if behind:
             self.counters.add("save_skipped_blocks", len(keys))
-            log.warning("KVFabricConnector: saves are behind: %d blocks not saved", len(keys))
+            self._limited.warning(
+                "behind", "KVFabricConnector: saves are behind: %d blocks not saved", len(keys)
+            )
             return
         # Copied out now, while the pages are certain to hold these blocks; stored later.
         values = pages.new_values(len(keys))
@@ -288,7 +295,7 @@ class WorkerSide:
             outcomes = self._store.batched_put(keys, [row.numpy() for row in values])
         except ValueTooLargeError as exc:
             # A block larger than the store's max_value: configuration, not an outage.
-            log.error("KVFabricConnector: blocks not stored: %s", exc)
+            self._limited.error("too large", "KVFabricConnector: blocks not stored: %s", exc)
             self.counters.add("save_failed_blocks", len(keys))
         else:
             stored = sum(o is kvfabric.PutOutcome.STORED for o in outcomes)

@@ -4,8 +4,10 @@ A URL names where the store is and carries its options as query parameters:
 ``embedded://?capacity=256MiB&transport=shm``: :class:`ClientOptions` for every client,
 :class:`EmbeddedOptions` and :class:`RemoteOptions` per scheme, and each plug-in's own
 ``NAME.OPTION`` values, which the plug-in declares (``kvfabric.spi.OptionSpec``). An
-unknown option, a bad value or an unknown scheme is a :class:`~kvfabric.errors.ConfigError`
-that says what is accepted.
+unknown option, a bad value (one that does not parse, or out of the option's range: no
+``timeout=0`` or ``lease=0``), a host that cannot name one, or an unknown scheme is a
+:class:`~kvfabric.errors.ConfigError` that names the option and the value and says what is
+accepted.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import attrs
 
+from kvfabric._runtime.bounds import MAX_DURATION, bounded, check_host
 from kvfabric.errors import ConfigError
 from kvfabric.spi.options import parse_bool
 from kvfabric.spi.units import parse_duration, parse_size
@@ -131,11 +134,17 @@ class RemoteOptions(ClientOptions):
     """File holding the deployment's shared secret (else ``KVFABRIC_SECRET``, if set)."""
 
 
+def _duration(
+    *, above: float | None = None, at_least: float | None = None
+) -> Callable[[str], float]:
+    return bounded(parse_duration, above=above, at_least=at_least, at_most=MAX_DURATION, unit="s")
+
+
 _PARSERS: dict[str, Callable[[str], Any]] = {
-    "timeout": parse_duration,
+    "timeout": _duration(above=0.0),
     "prefetch_entries": _positive_int,
-    "prefetch_ttl": parse_duration,
-    "max_value": parse_size,
+    "prefetch_ttl": _duration(at_least=0.0),
+    "max_value": bounded(parse_size, at_least=1),
     "transport": _name,
     "lookup_image": parse_bool,
     "extents": parse_bool,
@@ -144,12 +153,12 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "path": str,
     "index": _name,
     "region_size": parse_size,
-    "lease": parse_duration,
-    "grace": parse_duration,
+    "lease": _duration(above=0.0),
+    "grace": _duration(at_least=0.0),
     "headroom": _fraction,
     "replicas": _replicas,
-    "control_timeout": parse_duration,
-    "retry_interval": parse_duration,
+    "control_timeout": _duration(above=0.0),
+    "retry_interval": _duration(at_least=0.0),
     "secret_file": str,
 }
 
@@ -168,7 +177,10 @@ class StoreUrl:
 
 
 def parse_url(url: str) -> StoreUrl:
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # "Invalid IPv6 URL"
+        raise ConfigError(f"not a store URL: {url!r} ({exc})") from None
     port = _port(url)
     scheme = parts.scheme
     options_cls = SCHEMES.get(scheme)
@@ -177,8 +189,12 @@ def parse_url(url: str) -> StoreUrl:
         raise ConfigError(f"unknown store URL scheme in {url!r}; accepted: {accepted}")
     if scheme == "embedded" and (port is not None or parts.path.strip("/")):
         raise ConfigError(f"embedded:// takes at most a name (embedded://NAME), got {url!r}")
-    if scheme == "kvfabric" and (not parts.hostname or port is None):
-        raise ConfigError(f"kvfabric:// needs the controller's HOST:PORT, got {url!r}")
+    if scheme == "kvfabric" and (not parts.hostname or not port):
+        raise ConfigError(
+            f"kvfabric:// needs the controller's HOST:PORT (a port of 1-65535), got {url!r}"
+        )
+    if parts.hostname:
+        check_host(parts.hostname, f"the host in {url!r}:")
     values = _parse_query(scheme, parts.query, options_cls)
     if scheme == "kvfabric" and values.get("replicas", 1) != 1 and not values.get("index"):
         raise ConfigError(

@@ -15,6 +15,9 @@ The wait is bounded, because every step of a call is (``control_timeout`` per in
 trip, ``timeout`` per node transfer). Copying values before returning control would make
 puts safe too, but would double the memory traffic of every put, and cannot protect a get
 that lands in the caller's buffers without giving up zero-copy reads.
+
+After ``os.fork()`` the child's first call makes a pool of its own (the inherited one's
+threads stayed in the parent), and ``store`` builds its own parts (see ``Store``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any, TypeVar
 
 from kvfabric._client.record_io import RecordIO
 from kvfabric._client.store import PutOutcome, Store
+from kvfabric._runtime import forks
 from kvfabric.descriptor import Descriptor
 
 __all__ = ["AsyncStore"]
@@ -41,11 +45,26 @@ class AsyncStore:
 
     def __init__(self, store: Store, *, workers: int = 4) -> None:
         self.store = store
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvfabric-aio")
+        self._workers = workers
+        self._pool = self._new_pool()
+
+    def _new_pool(self) -> ThreadPoolExecutor:
+        self._generation = forks.generation()
+        return ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="kvfabric-aio")
+
+    def _executor(self) -> ThreadPoolExecutor:
+        """The pool of this process: one inherited through a fork has no threads left (and
+        work submitted to it would never run), so a child gets its own."""
+        if self._generation != forks.generation():
+            with forks.rebuild_lock():
+                if self._generation != forks.generation():
+                    forks.abandon(self._pool)
+                    self._pool = self._new_pool()
+        return self._pool
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn`` on the pool; on cancellation, wait until it stopped touching buffers."""
-        work = self._pool.submit(fn, *args)
+        work = self._executor().submit(fn, *args)
         waiter = asyncio.wrap_future(work)
         try:
             return await asyncio.shield(waiter)
@@ -113,7 +132,7 @@ class AsyncStore:
 
     async def close(self) -> None:
         """Close the store once the calls in flight are done (off the event loop)."""
-        await asyncio.to_thread(self._pool.shutdown, wait=True)
+        await asyncio.to_thread(self._executor().shutdown, wait=True)
         await asyncio.to_thread(self.store.close)
 
     async def __aenter__(self) -> AsyncStore:

@@ -4,7 +4,8 @@ Every round trip the store makes to its index (a controller, or a shared index s
 Redis) goes through :class:`IndexCalls`, so ``control_rpcs`` counts them all and the read
 contract holds in one place: an index that does not answer in time is
 ``controller_unavailable``, an error or malformed reply is ``controller_errors``; both are
-logged and give ``None``, which the callers turn into misses (0, False, None, ``FAILED``).
+logged (a line a minute per kind, then with a count of those not logged) and give
+``None``, which the callers turn into misses (0, False, None, ``FAILED``).
 
 A publish is asked with :meth:`IndexCalls.publish`: where the index could tell of some of its
 items and not of others (a controller that answered part of a large publish, then neither
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 import attrs
 
 from kvfabric._control.remote_writes import OutcomeUnknownError
+from kvfabric._runtime.log_limit import LimitedLog
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ControllerUnavailableError, ProtocolError, RemoteError
 from kvfabric.spi.counters import Counters
@@ -48,6 +50,8 @@ class IndexCalls:
     def __init__(self, index: Index, counters: Counters) -> None:
         self.index = index
         self._counters = counters
+        # One line a minute per kind of failure, however many calls fail meanwhile.
+        self._limited = LimitedLog(log)
 
     def ask(self, method: Callable[..., T], *args: Any) -> T | None:
         """One index call, counted; a failure of the index is counted, logged and gives
@@ -57,10 +61,12 @@ class IndexCalls:
             return method(*args)
         except ControllerUnavailableError as exc:
             self._counters.add("controller_unavailable")
-            log.warning("kvfabric: index unavailable (%s): treating as a miss", exc)
+            self._limited.warning(
+                "unavailable", "kvfabric: index unavailable (%s): treating as a miss", exc
+            )
         except (RemoteError, ProtocolError) as exc:
             self._counters.add("controller_errors")
-            log.warning("kvfabric: index error (%s): treating as a miss", exc)
+            self._limited.warning("error", "kvfabric: index error (%s): treating as a miss", exc)
         return None
 
     def publish(self, method: Callable[..., Sequence[Any]], *args: Any) -> Outcomes | None:
@@ -72,7 +78,8 @@ class IndexCalls:
         except OutcomeUnknownError as exc:
             unknown = sum(value is None for value in exc.outcomes)
             self._counters.update(controller_unavailable=1, outcomes_unknown=unknown)
-            log.warning(
+            self._limited.warning(
+                "unknown",
                 "kvfabric: index unavailable (%s): %d of %d records reported not stored",
                 exc,
                 unknown,
@@ -81,10 +88,12 @@ class IndexCalls:
             return Outcomes(exc.outcomes, held=exc.held)
         except ControllerUnavailableError as exc:
             self._counters.add("controller_unavailable")
-            log.warning("kvfabric: index unavailable (%s): treating as a miss", exc)
+            self._limited.warning(
+                "unavailable", "kvfabric: index unavailable (%s): treating as a miss", exc
+            )
         except (RemoteError, ProtocolError) as exc:
             self._counters.add("controller_errors")
-            log.warning("kvfabric: index error (%s): treating as a miss", exc)
+            self._limited.warning("error", "kvfabric: index error (%s): treating as a miss", exc)
         return None
 
     def resolve(self, keys: Sequence[bytes]) -> list[Descriptor | None]:

@@ -13,6 +13,7 @@ own, off the lookup path.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,11 +26,14 @@ from kvfabric._client.topology import Topology
 from kvfabric._client.touches import TouchReporter
 from kvfabric._plugins import PluginManager
 from kvfabric._runtime.image import ImageStop
+from kvfabric._runtime.log_limit import LimitedLog
 from kvfabric.descriptor import Descriptor, PackedDescriptors
 from kvfabric.spi.counters import Counters
 from kvfabric.spi.index import Copies
 
 __all__ = ["LookupObserver", "Lookups"]
+
+log = logging.getLogger("kvfabric")
 
 
 class LookupObserver:
@@ -73,6 +77,7 @@ class Lookups:
         counters: Counters,
         touches: TouchReporter,
         observer: LookupObserver,
+        max_value: int,
     ) -> None:
         self._calls = calls
         self._index = calls.index
@@ -81,6 +86,8 @@ class Lookups:
         self._counters = counters
         self._touches = touches
         self._observer = observer
+        self._max_value = max_value
+        self._limited = LimitedLog(log)
 
     def contains(self, keys: Sequence[bytes]) -> int:
         """``Store.batched_contains``."""
@@ -123,8 +130,32 @@ class Lookups:
         return self._prefetch.take(keys)
 
     def remember(self, descriptors: Sequence[Descriptor]) -> None:
-        """``Store.remember``."""
-        self._prefetch.remember(descriptors)
+        """``Store.remember``: descriptors from another process are checked first.
+
+        One longer than ``max_value`` cannot be a value this store reads (and a read would
+        allocate that much): it is not kept, so its key is resolved by the index when
+        read. Any other field a peer got wrong (an unknown node or region, an offset past
+        the region) is refused by the read, a miss.
+        """
+        for d in descriptors:
+            if not isinstance(d, Descriptor):
+                raise TypeError(
+                    "remember() takes Descriptor objects (from Store.prefetched(), or "
+                    f"Descriptor.from_bytes), got {type(d).__name__}"
+                )
+        kept = [d for d in descriptors if d.length <= self._max_value]
+        if len(kept) < len(descriptors):
+            longest = max(d.length for d in descriptors)
+            self._limited.warning(
+                "too long",
+                "kvfabric: remember() left out %d of %d descriptors longer than max_value "
+                "(%d bytes; the longest says %d): their keys are resolved when read",
+                len(descriptors) - len(kept),
+                len(descriptors),
+                self._max_value,
+                longest,
+            )
+        self._prefetch.remember(kept)
 
     def _contains_from_image(self, image: ImageReader, keys: Sequence[bytes]) -> int:
         try:

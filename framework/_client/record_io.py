@@ -32,10 +32,12 @@ import attrs
 import numpy as np
 
 from kvfabric._client.routes import Routes
+from kvfabric._runtime import forks
 from kvfabric._runtime.buffers import byte_view, writable_view
+from kvfabric._runtime.log_limit import LimitedLog
 from kvfabric._runtime.record import HEADER_SIZE, pack_headers, validate_record
 from kvfabric.descriptor import Descriptor
-from kvfabric.errors import ValidationError
+from kvfabric.errors import NotSupportedError, ValidationError
 from kvfabric.spi.index import NodeInfo
 from kvfabric.spi.transport import Segment, TransportClient
 
@@ -113,9 +115,12 @@ class RecordIO:
 
     def __init__(self, clients: Mapping[str, TransportClient], preference: Sequence[str]) -> None:
         """``clients``: a transport client per name; ``preference``: names, most preferred first."""
+        self._generation = forks.generation()
         self._routes = Routes(clients, preference)
         self._lock = threading.Lock()
         self._io_pool: ThreadPoolExecutor | None = None
+        # One line a minute per node and kind of failure, however many calls fail meanwhile.
+        self._limited = LimitedLog(log)
 
     # -- membership ----------------------------------------------------------------------
 
@@ -145,7 +150,7 @@ class RecordIO:
         that does not fit is a miss. Without ``into``, values land in one new allocation.
         """
         values: list[memoryview | None] = [None] * len(keys)
-        per_node = _plan_reads(keys, descriptors, into)
+        per_node = _plan_reads(keys, descriptors, into, self._limited)
         if not per_node:
             return ReadReport(values=values, invalid=[], payload_bytes=0, failed_nodes=0)
         refused = 0
@@ -159,7 +164,9 @@ class RecordIO:
         for node, items in per_node.items():
             outcome = outcomes[node]
             if isinstance(outcome, BaseException):
-                log.warning("kvfabric: read from node %d failed (%s): misses", node, outcome)
+                self._limited.warning(
+                    ("read", node), "kvfabric: read from node %d failed (%s): misses", node, outcome
+                )
                 failed_nodes += 1
                 unreachable += [item.index for item in items]
                 continue
@@ -215,7 +222,12 @@ class RecordIO:
             node, outcome = key[0], outcomes[key]
             if isinstance(outcome, BaseException):
                 if node not in failed:
-                    log.warning("kvfabric: write to node %d failed (%s): not stored", node, outcome)
+                    self._limited.warning(
+                        ("write", node),
+                        "kvfabric: write to node %d failed (%s): not stored",
+                        node,
+                        outcome,
+                    )
                 failed.add(node)
                 continue
             for i, crc in zip(indices, outcome, strict=True):
@@ -265,6 +277,11 @@ class RecordIO:
         self._slot_io(descriptor, at, byte_view(buffer), write=True)
 
     def _slot_io(self, d: Descriptor, at: int, view: memoryview, *, write: bool) -> None:
+        if self._generation != forks.generation():
+            raise NotSupportedError(
+                "this record I/O layer was made before a fork and its transport clients "
+                "are the parent's: take Store.records again in this process"
+            )
         if at < 0 or at + view.nbytes > HEADER_SIZE + d.length:
             raise ValueError(
                 f"bytes [{at}, {at + view.nbytes}) lie outside a record of "
@@ -332,7 +349,12 @@ class RecordIO:
                     item.header, item.pieces, item.descriptor, item.key, payload_crc=crc
                 )
             except ValidationError as exc:
-                log.info("kvfabric: record for key %s invalid (%s): miss", item.key.hex(), exc)
+                self._limited.info(
+                    ("invalid", node),
+                    "kvfabric: record for key %s invalid (%s): miss",
+                    item.key.hex(),
+                    exc,
+                )
                 continue
             item.result = item.pieces[0]
         return landed
@@ -405,7 +427,10 @@ def _frame(
 
 
 def _plan_reads(
-    keys: Sequence[bytes], descriptors: Sequence[Descriptor | None], into: Sequence[Any] | None
+    keys: Sequence[bytes],
+    descriptors: Sequence[Descriptor | None],
+    into: Sequence[Any] | None,
+    limited: LimitedLog,
 ) -> dict[int, list[_Read]]:
     """Where each record lands, grouped by node (records without a descriptor are skipped)."""
     headers = memoryview(bytearray(HEADER_SIZE * len(keys)))
@@ -427,8 +452,11 @@ def _plan_reads(
             assert into is not None
             landing = _landing_pieces(into[i], d.length)
             if landing is None:
-                log.warning(
-                    "kvfabric: buffers for key %d hold less than %d bytes: miss", i, d.length
+                limited.warning(
+                    "short buffer",
+                    "kvfabric: buffers for key %d hold less than %d bytes: miss",
+                    i,
+                    d.length,
                 )
                 continue
             pieces = landing

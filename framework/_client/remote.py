@@ -12,18 +12,24 @@ data nodes, the image being one more peer.
 ``kvfabric://HOST:PORT?index=NAME`` uses a *shared* index plugin (e.g. ``redis``) at
 HOST:PORT directly instead: no controller, the plugin's own round trips
 (:mod:`kvfabric._client.shared_index`).
+
+The plugins and their options are chosen once, when the store connects; what they make (the
+control client, the transport clients, a shared index's client) is made again in a child the
+store was forked into, by the same functions, without the plugin manager.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Sequence
 
 import attrs
 
 from kvfabric._client.image_reader import ImageReader, could_read, open_image
 from kvfabric._client.record_io import RecordIO
-from kvfabric._client.shared_index import IndexUpkeep, check_shared
-from kvfabric._client.store import Store
+from kvfabric._client.shared_index import check_shared, client_parts
+from kvfabric._client.store import Opener, Store, StoreParts
 from kvfabric._control.client import ControlClient
 from kvfabric._control.remote_index import RemoteIndex
 from kvfabric._control.security import Credentials, load_secret
@@ -45,16 +51,40 @@ def open_remote(options: RemoteOptions, host: str, port: int, plugins: PluginMan
         timeout=options.timeout, token=credentials.data_token if credentials else b""
     )
     settings = PluginOptions(options.plugin_options)
-    clients = _transport_clients(options, plugins, config, settings)
+    transports = _transports(options, plugins, config, settings)
+    opener: Opener
     if options.index:
-        return _open_shared(options, host, port, plugins, clients, settings)
-    settings.check_all_claimed("store")
-    control = ControlClient(
-        f"tcp://{host}:{port}",
-        timeout=options.control_timeout,
-        retry_interval=options.retry_interval,
-        credentials=credentials,
-    )
+        opener = _shared_opener(options, host, port, plugins, transports, settings)
+    else:
+        settings.check_all_claimed("store")
+        opener = functools.partial(
+            _open_controlled, options, f"tcp://{host}:{port}", credentials, transports
+        )
+    return Store(options=options, plugins=plugins, opener=opener)
+
+
+def _open_controlled(
+    options: RemoteOptions,
+    endpoint: str,
+    credentials: Credentials | None,
+    transports: Sequence[_Configured],
+    store: Store,
+) -> StoreParts:
+    """The parts of a store whose index a controller serves, made in this process."""
+    clients = _transport_clients(options, transports)
+    try:
+        control = ControlClient(
+            endpoint,
+            timeout=options.control_timeout,
+            retry_interval=options.retry_interval,
+            credentials=credentials,
+            on_epoch_change=store.controller_restarted,
+            on_membership_change=store.membership_changed,
+        )
+    except BaseException:
+        for client in clients.values():
+            client.close()
+        raise
     index = RemoteIndex(control)
     map_locally = options.transport in (None, "shm")
 
@@ -65,76 +95,75 @@ def open_remote(options: RemoteOptions, host: str, port: int, plugins: PluginMan
         reader = open_image(location, clients, map_locally=map_locally)
         return reader, reader is None and could_read(location, clients)
 
-    try:
-        store = Store(
-            index=index,
-            records=RecordIO(clients, list(clients)),
-            options=options,
-            plugins=plugins,
-            on_close=[control.close],
-            locate_image=locate_image if options.lookup_image else None,
-        )
-    except BaseException:
-        control.close()
-        for client in clients.values():
-            client.close()
-        raise
-    control.on_epoch_change = store.controller_restarted
-    control.on_membership_change = store.membership_changed
-    return store
+    return StoreParts(
+        index=index,
+        records=RecordIO(clients, list(clients)),
+        on_close=[control.close],
+        locate_image=locate_image if options.lookup_image else None,
+    )
 
 
-def _open_shared(
+def _shared_opener(
     options: RemoteOptions,
     host: str,
     port: int,
     plugins: PluginManager,
-    clients: dict[str, TransportClient],
+    transports: Sequence[_Configured],
     settings: PluginOptions,
-) -> Store:
+) -> Opener:
+    """Checks the shared index plugin and its options now; what it returns makes the parts
+    (once here, again in a forked child)."""
     assert options.index is not None
-    try:
-        cls = plugins.index(options.index)
-        check_shared(cls)
-        cls.check_replicas(options.replicas)
-        config = IndexConfig(
-            options=settings.claim(cls), address=f"{host}:{port}", replicas=options.replicas
-        )
-        settings.check_all_claimed("store")
-        index = cls.create(config)
-    except BaseException:
-        for client in clients.values():
-            client.close()
-        raise
-    upkeep: list[IndexUpkeep] = []
+    cls = plugins.index(options.index)
+    check_shared(cls)
+    cls.check_replicas(options.replicas)
+    config = IndexConfig(
+        options=settings.claim(cls), address=f"{host}:{port}", replicas=options.replicas
+    )
+    settings.check_all_claimed("store")
 
-    def stop_upkeep() -> None:
-        for job in upkeep:
-            job.stop()
+    def open_shared(store: Store) -> StoreParts:
+        clients = _transport_clients(options, transports)
+        try:
+            index = cls.create(config)
+        except BaseException:
+            for client in clients.values():
+                client.close()
+            raise
+        return client_parts(index, RecordIO(clients, list(clients)), store)
 
-    try:
-        store = Store(
-            index=index,
-            records=RecordIO(clients, list(clients)),
-            options=options,
-            plugins=plugins,
-            # Run in reverse: the upkeep stops before the index closes under it.
-            on_close=[index.close, stop_upkeep],
-        )
-    except BaseException:
-        index.close()
-        for client in clients.values():
-            client.close()
-        raise
-    upkeep.append(IndexUpkeep(index, store))
-    return store
+    return open_shared
 
 
-def _transport_clients(
+@attrs.frozen
+class _Configured:
+    """A transport this store may use, with its options, chosen when it connected."""
+
+    cls: type[Transport]
+    config: TransportConfig
+
+
+def _transports(
     options: RemoteOptions,
     plugins: PluginManager,
     config: TransportConfig,
     settings: PluginOptions,
+) -> list[_Configured]:
+    """Every transport installed here (or the forced one), most preferred first, with its
+    options checked: chosen once, so a forked child makes its clients without the plugin
+    manager."""
+    if options.transport:
+        forced = plugins.transport(options.transport)
+        return [_Configured(forced, _configured(config, forced, settings))]
+    # Outside any try: a bad NAME.OPTION is the user's mistake, not "unusable here".
+    return [
+        _Configured(cls, _configured(config, cls, settings))
+        for cls in plugins.installed_transports()
+    ]
+
+
+def _transport_clients(
+    options: RemoteOptions, transports: Sequence[_Configured]
 ) -> dict[str, TransportClient]:
     """A client of every transport usable here, most preferred first (or the forced one).
 
@@ -142,16 +171,14 @@ def _transport_clients(
     can reach it. A third-party transport takes part through its declared ``preference``.
     """
     if options.transport:
-        forced = plugins.transport(options.transport)
-        return {forced.name: forced.create_client(_configured(config, forced, settings))}
+        (forced,) = transports
+        return {forced.cls.name: forced.cls.create_client(forced.config)}
     clients: dict[str, TransportClient] = {}
-    for cls in plugins.installed_transports():
-        # Outside the try: a bad NAME.OPTION is the user's mistake, not "unusable here".
-        configured = _configured(config, cls, settings)
+    for transport in transports:
         try:
-            clients[cls.name] = cls.create_client(configured)
+            clients[transport.cls.name] = transport.cls.create_client(transport.config)
         except KvfabricError as exc:
-            log.debug("transport %s not usable here: %s", cls.name, exc)
+            log.debug("transport %s not usable here: %s", transport.cls.name, exc)
     return clients
 
 

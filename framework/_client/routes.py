@@ -12,6 +12,7 @@ import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 
+from kvfabric._runtime.log_limit import LimitedLog
 from kvfabric.errors import KvfabricError, TransportError
 from kvfabric.spi.index import NodeInfo
 from kvfabric.spi.transport import TransportClient
@@ -30,6 +31,8 @@ class Routes:
         self._routes: dict[int, tuple[str, TransportClient]] = {}
         self._infos: dict[int, NodeInfo] = {}
         self._lock = threading.Lock()
+        # A node that cannot be connected to is tried at every relearn: a line a minute.
+        self._limited = LimitedLog(log)
 
     def add_nodes(self, nodes: Sequence[NodeInfo]) -> None:
         """Connect to nodes not yet known, or known under the same id with other endpoints.
@@ -53,7 +56,13 @@ class Routes:
                 try:
                     client.connect(endpoint)
                 except KvfabricError as exc:
-                    log.warning("kvfabric: %s cannot connect to node %d (%s)", name, node.id, exc)
+                    self._limited.warning(
+                        (name, node.id),
+                        "kvfabric: %s cannot connect to node %d (%s)",
+                        name,
+                        node.id,
+                        exc,
+                    )
                     continue
                 with self._lock:
                     self._routes[node.id] = (name, client)

@@ -16,11 +16,12 @@ from __future__ import annotations
 import logging
 import threading
 
-from kvfabric._client.store import Store
+from kvfabric._client.record_io import RecordIO
+from kvfabric._client.store import Store, StoreParts
 from kvfabric.errors import ConfigError, KvfabricError
 from kvfabric.spi.index import IndexPlugin
 
-__all__ = ["IndexUpkeep", "check_shared"]
+__all__ = ["IndexUpkeep", "check_shared", "client_parts"]
 
 log = logging.getLogger("kvfabric")
 
@@ -35,6 +36,24 @@ def check_shared(cls: type[IndexPlugin]) -> None:
             f"controller (kvfabric://CONTROLLER:PORT, without index=); only a shared index "
             "(e.g. redis) is used directly"
         )
+
+
+def client_parts(index: IndexPlugin, records: RecordIO, store: Store) -> StoreParts:
+    """The parts of ``store`` as a client of the shared ``index``: the index closes with the
+    store, after its upkeep stops."""
+    upkeep: list[IndexUpkeep] = []
+
+    def stop_upkeep() -> None:
+        for job in upkeep:
+            job.stop()
+
+    return StoreParts(
+        index=index,
+        records=records,
+        # Run in reverse: the upkeep stops before the index closes under it.
+        on_close=[index.close, stop_upkeep],
+        start=lambda: upkeep.append(IndexUpkeep(index, store)),
+    )
 
 
 class IndexUpkeep:

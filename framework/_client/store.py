@@ -22,6 +22,9 @@ failure in :meth:`Store.stats` and answer 0, False, None — a miss, never a wro
 ``batched_put`` reports such failures as ``PutOutcome.FAILED`` and ``delete`` as 0. Only
 programming errors raise: a bad key, ``into`` of the wrong length or a read-only buffer, a
 value larger than ``max_value``.
+
+After ``os.fork()`` a store the child inherited builds its parts again on its first call
+there (its opener connects anew; see :class:`StoreParts`), and leaves the parent's alone.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import attrs
 
 from kvfabric._client.carved_writes import CarvedWrites
 from kvfabric._client.counter_names import client_counters
@@ -46,50 +51,98 @@ from kvfabric._client.touches import TouchReporter
 from kvfabric._client.writes import Writes
 from kvfabric._node.node import DataNode
 from kvfabric._plugins import PluginManager
+from kvfabric._runtime import forks
 from kvfabric.descriptor import Descriptor
+from kvfabric.errors import ControllerUnavailableError
 from kvfabric.spi.index import Index, IndexPlugin
 from kvfabric.urls import ClientOptions
 
-__all__ = ["PutOutcome", "Store"]
+__all__ = ["Opener", "PutOutcome", "Store", "StoreParts"]
 
 log = logging.getLogger("kvfabric")
+
+
+@attrs.frozen(kw_only=True)
+class StoreParts:
+    """What a store is made of in one process, as its opener makes them: once when the store
+    connects, and again in a child the store was forked into (the parent's stay the
+    parent's)."""
+
+    index: Index
+    records: RecordIO
+    on_close: Sequence[Callable[[], None]] = ()
+    """Run in reverse order when the store closes."""
+    local_node: DataNode | None = None
+    """The data node running in this process (embedded mode), if any."""
+    local_index: IndexPlugin | None = None
+    """The index running in this process (embedded mode), if any."""
+    image: ImageReader | None = None
+    """A reader of the index's lookup image."""
+    locate_image: Callable[[], tuple[ImageReader | None, bool]] | None = None
+    """Asks the controller where its image is (one control RPC; a reader or None, and
+    whether one this client could read failed to open, so is worth asking again later),
+    whenever the store learns the nodes and has no image from this controller yet."""
+    start: Callable[[], None] | None = None
+    """Run once the store is assembled and has asked for its nodes (a shared index's
+    upkeep, which compares the nodes with those the store learned)."""
+
+    def discard(self) -> None:
+        """Close what the opener made (the store could not be assembled)."""
+        self.records.close()
+        for close in reversed(self.on_close):
+            close()
+
+
+Opener = Callable[["Store"], StoreParts]
+"""Makes a store's parts in the calling process; may raise where a child cannot have them
+(a clear error naming what to do instead)."""
 
 
 class Store:
     """A connection to a kvfabric store; create it with :func:`kvfabric.connect`."""
 
-    def __init__(
-        self,
-        *,
-        index: Index,
-        records: RecordIO,
-        options: ClientOptions,
-        plugins: PluginManager,
-        on_close: Sequence[Callable[[], None]] = (),
-        local_node: DataNode | None = None,
-        local_index: IndexPlugin | None = None,
-        image: ImageReader | None = None,
-        locate_image: Callable[[], tuple[ImageReader | None, bool]] | None = None,
-    ) -> None:
-        """``local_node``, ``local_index``: the data node and the index running in this
-        process (embedded mode), if any.
-        ``image``: a reader of the index's lookup image; ``locate_image``: asks the
-        controller where its image is (one control RPC; a reader or None, and whether one
-        this client could read failed to open, so is worth asking again later), whenever
-        this client learns the nodes and has no image from this controller yet.
-        """
-        self.local_node = local_node
-        self.local_index = local_index
-        self._records = records
-        self._on_close = list(on_close)
+    def __init__(self, *, options: ClientOptions, plugins: PluginManager, opener: Opener) -> None:
+        """``opener`` makes the parts this store is made of, here and in a forked child."""
+        self._options = options
+        self._plugins = plugins
+        self._opener = opener
+        self._closed = False
+        self._set_aside = forks.generation()
+        """The last generation whose inherited parts were put aside (see ``_after_fork``)."""
+        self._open_here()
+
+    def _open_here(self) -> None:
+        """Make this process's parts and learn the nodes."""
+        parts = self._opener(self)
+        try:
+            self._assemble(parts)
+        except BaseException:
+            parts.discard()
+            raise
+        # Once the parts are in place: an index callback during this (a controller that
+        # restarted) finds them. A controller that is down now is not an error: reads miss
+        # until it is back.
+        self._topology.refresh()
+        if parts.start is not None:
+            parts.start()
+
+    def _assemble(self, parts: StoreParts) -> None:
+        options = self._options
+        # The data node and the index running in this process (embedded mode), if any; in
+        # a forked child, once a call there made the child's own.
+        self.local_node = parts.local_node
+        self.local_index = parts.local_index
+        self._records = records = parts.records
+        self._on_close = list(parts.on_close)
         self._counters = counters = client_counters()
         self._prefetch = prefetch = PrefetchCache(
             max_entries=options.prefetch_entries, ttl=options.prefetch_ttl
         )
+        index = parts.index
         calls = IndexCalls(index, counters)
-        self._topology = topology = Topology(calls, records, image, locate_image)
+        self._topology = topology = Topology(calls, records, parts.image, parts.locate_image)
         self._touches = TouchReporter(index.touch, counters)
-        self._observer = LookupObserver(plugins)
+        self._observer = LookupObserver(self._plugins)
         self._lookups = Lookups(
             calls=calls,
             topology=topology,
@@ -97,6 +150,7 @@ class Store:
             counters=counters,
             touches=self._touches,
             observer=self._observer,
+            max_value=options.max_value,
         )
         self._reads = Reads(
             calls=calls, topology=topology, records=records, prefetch=prefetch, counters=counters
@@ -122,14 +176,34 @@ class Store:
             carved=self._carved,
         )
         self._lock = threading.Lock()
-        self._closed = False
-        # A controller that is down now is not an error: reads miss until it is back.
-        topology.refresh()
+        # Last: a thread that sees this generation finds every part above in place.
+        self._generation = forks.generation()
+
+    def _after_fork(self) -> None:
+        """This store was made before a fork and is used in the child for the first time:
+        put the parent's parts aside, untouched, and make this process's own.
+
+        Nothing inherited is closed, returned or reused: the control sockets and data
+        connections are the parent's (a call on them would hang or interleave with its
+        calls), its thread pools' threads did not survive, a lock may be held by a parent
+        thread that is not here, and its leased extents are the parent's to write.
+        """
+        with forks.rebuild_lock():
+            if self._generation == forks.generation():
+                return  # another thread of this process did it meanwhile
+            if self._set_aside != forks.generation():
+                forks.abandon(dict(vars(self)))
+                self._set_aside = forks.generation()
+            if self._closed:
+                raise ControllerUnavailableError("this store is closed")
+            self._open_here()
 
     @property
     def learned_nodes(self) -> frozenset[tuple[int, int]] | None:
         """(id, incarnation) of the nodes this store last learned from its index; None
         before it learned any (the index was unreachable)."""
+        if self._generation != forks.generation():
+            self._after_fork()
         return self._topology.learned_nodes
 
     @property
@@ -140,6 +214,8 @@ class Store:
         of one record's slot (e.g. to corrupt it), ``records.transport_of(node)`` names the
         transport used for a node.
         """
+        if self._generation != forks.generation():
+            self._after_fork()
         return self._records
 
     # -- lookups -----------------------------------------------------------------------
@@ -152,6 +228,8 @@ class Store:
         keys is kept for the read, not copied: changing it afterwards can only cost that
         read its kept descriptors (each is checked against the key read).
         """
+        if self._generation != forks.generation():
+            self._after_fork()
         return self._lookups.contains(keys)
 
     def batched_exists(self, keys: Sequence[bytes]) -> list[bool]:
@@ -160,6 +238,8 @@ class Store:
         From the lookup image where this client reads one; the keys it cannot answer for
         go to the index in one call.
         """
+        if self._generation != forks.generation():
+            self._after_fork()
         return self._lookups.exists(keys)
 
     def locate(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
@@ -168,6 +248,8 @@ class Store:
         ``None`` for a key that is not stored, and for every key when the controller cannot
         answer (counted, never raised). Neither uses nor fills the prefetch cache.
         """
+        if self._generation != forks.generation():
+            self._after_fork()
         return self._lookups.locate(keys)
 
     def prefetched(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
@@ -177,14 +259,22 @@ class Store:
         workers): ship these with the load request and hand them to :meth:`remember` there,
         and the load needs no round trip either.
         """
+        if self._generation != forks.generation():
+            self._after_fork()
         return self._lookups.prefetched(keys)
 
     def remember(self, descriptors: Sequence[Descriptor]) -> None:
         """Keep descriptors another client resolved, for the reads that follow.
 
         Only a shortcut, like every prefetched descriptor: reads still validate each
-        record, and one that no longer matches is resolved again.
+        record, and one that no longer matches is resolved again. Descriptors are inputs
+        from elsewhere and checked as such: one longer than ``max_value`` is not kept (its
+        key is resolved when read; nothing of that size is allocated), and one naming a
+        node, region or offset this store cannot read makes that key a miss. Anything but
+        a ``Descriptor`` is a TypeError.
         """
+        if self._generation != forks.generation():
+            self._after_fork()
         self._lookups.remember(descriptors)
 
     # -- reads -------------------------------------------------------------------------
@@ -200,6 +290,8 @@ class Store:
         entry may also be a list of buffers filled in order; see
         :meth:`batched_get_scattered`.)
         """
+        if self._generation != forks.generation():
+            self._after_fork()
         return self._reads.get(keys, into)
 
     def batched_get_scattered(
@@ -212,6 +304,8 @@ class Store:
         checksum runs over the pieces. True where the value landed and validated; on False
         the buffers may hold garbage (treat as a miss).
         """
+        if self._generation != forks.generation():
+            self._after_fork()
         return self._reads.get_scattered(keys, into)
 
     # -- writes ------------------------------------------------------------------------
@@ -228,6 +322,8 @@ class Store:
         counted. Raises :class:`ValueTooLargeError` before doing anything if a value exceeds
         ``max_value``.
         """
+        if self._generation != forks.generation():
+            self._after_fork()
         return self._writes.put(keys, values)
 
     def delete(self, keys: Sequence[bytes]) -> int:
@@ -236,6 +332,8 @@ class Store:
         0 when the controller could not be asked (counted as ``delete_failures``; the keys
         may then still be stored).
         """
+        if self._generation != forks.generation():
+            self._after_fork()
         return self._writes.delete(keys)
 
     # -- the rest ----------------------------------------------------------------------
@@ -246,15 +344,22 @@ class Store:
         The answer also refreshes the data nodes this client knows, so a node that joined
         since is reachable through :attr:`records` afterwards.
         """
+        if self._generation != forks.generation():
+            self._after_fork()
         return self._topology.refresh()
 
     def stats(self) -> dict[str, int]:
         """This client's counters (no round trip): see
         :mod:`~kvfabric._client.counter_names` for what each one counts."""
+        if self._generation != forks.generation():
+            self._after_fork()
         return self._counters.snapshot()
 
     def controller_restarted(self, epoch: int) -> None:
         """The controller came back with a new epoch: node ids and descriptors are stale."""
+        if self._generation != forks.generation():
+            self._after_fork()
+            return  # the parts made just now learned from the controller as it is
         log.warning("kvfabric controller restarted (epoch %x): relearning nodes", epoch)
         self._prefetch.clear()
         if self._carved is not None:
@@ -263,10 +368,23 @@ class Store:
 
     def membership_changed(self, generation: int) -> None:
         """A data node joined, left, restarted or was replaced: relearn before the next I/O."""
+        if self._generation != forks.generation():
+            self._after_fork()
+            return
         log.info("kvfabric data nodes changed (generation %d): relearning them", generation)
         self._topology.nodes_changed()
 
     def close(self) -> None:
+        """Close what this store holds in this process (in a forked child that never used
+        it: nothing, the parts are the parent's)."""
+        if self._generation != forks.generation():
+            with forks.rebuild_lock():
+                if self._generation != forks.generation():
+                    if self._set_aside != forks.generation():
+                        forks.abandon(dict(vars(self)))
+                        self._set_aside = forks.generation()
+                    self._closed = True
+                    return
         with self._lock:
             if self._closed:
                 return

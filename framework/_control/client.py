@@ -9,7 +9,8 @@ A call that finds no connected controller fails at once; one that gets no reply 
 later), and further calls fail fast for ``retry_interval`` before the next attempt (a large
 request's chunks go through a :meth:`ControlClient.session` instead). ZeroMQ
 reconnects on its own, so a restarted controller is picked up without recreating anything;
-the reply's epoch tells that it restarted.
+the reply's epoch tells that it restarted. A client used in a child after ``os.fork()`` makes
+its own context and sockets on its first call there.
 
 An ``ERROR`` reply becomes a :class:`ControllerRefusedError` carrying the reply's
 :class:`~kvfabric._wire.protocol.ErrorCode` as a field (``UNKNOWN_NODE`` as its subclass
@@ -28,6 +29,7 @@ import zmq
 
 from kvfabric._control.security import Credentials
 from kvfabric._control.session import ControlSession
+from kvfabric._runtime import forks
 from kvfabric._runtime.codec import Reader
 from kvfabric._wire.protocol import (
     REPLY_BIT,
@@ -83,11 +85,30 @@ class ControlClient:
         self._ids = itertools.count(1)
         self._down_until = 0.0
         self._closed = False
+        self._generation = forks.generation()
+
+    def _after_fork(self) -> None:
+        """First call in a forked child: the context's I/O threads and the idle sockets are
+        the parent's (a request on them never gets its reply here). Put them aside
+        untouched — closing them from here would reach into the parent's context — and
+        start afresh: this process's context, no idle sockets, no memory of the
+        controller being down."""
+        with forks.rebuild_lock():
+            if self._generation == forks.generation():
+                return
+            forks.abandon((self._context, self._idle))
+            self._context = zmq.Context.instance()
+            self._idle = []
+            self._lock = threading.Lock()
+            self._down_until = 0.0
+            self._generation = forks.generation()
 
     def session(self) -> ControlSession:
         """Several requests pipelined on one socket (a large request's chunks, and what
         follows them): see :mod:`kvfabric._control.session`. Raises
         :class:`ControllerUnavailableError` while the controller is taken for down."""
+        if self._generation != forks.generation():
+            self._after_fork()
         return ControlSession(self)
 
     def check_up(self) -> None:
@@ -150,6 +171,8 @@ class ControlClient:
         waiting for one. Raises :class:`ControllerUnavailableError` when no reply comes,
         and :class:`ControllerRefusedError` for an ``ERROR`` reply.
         """
+        if self._generation != forks.generation():
+            self._after_fork()
         self.check_up()
         now = time.monotonic()
         request_id = next(self._ids)
@@ -223,6 +246,8 @@ class ControlClient:
 
     def close(self) -> None:
         """Close the idle sockets; a call in flight closes its own when it ends."""
+        if self._generation != forks.generation():
+            self._after_fork()  # the inherited sockets are the parent's to close
         with self._lock:
             self._closed = True
             sockets, self._idle = self._idle, []

@@ -1,4 +1,4 @@
-"""An :class:`~kvfabric.index.Index` served by a controller process, one round trip per call.
+"""An :class:`~kvfabric.spi.Index` served by a controller process, one round trip per call.
 
 A call of a normal size is one request; a large one goes in chunks, pipelined on one socket
 (:mod:`kvfabric._control.session`), and fails whole if any chunk does. A lookup of the

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 from kvfabric._control.client import ControlClient
 from kvfabric._control.session import ControlSession, Reply, allowance, chunks
+from kvfabric._runtime import forks
 from kvfabric._runtime.codec import Reader
 from kvfabric._wire import protocol as p
 from kvfabric._wire.protocol import MsgType
@@ -73,8 +74,17 @@ class RemoteWrites:
 
     def __init__(self, client: ControlClient) -> None:
         self.client = client
-        self.client_id = secrets.randbits(63) | 1
-        """Who reserves: drawn once per connection (never 0, which no client sends)."""
+        self._client_id = secrets.randbits(63) | 1
+        self._generation = forks.generation()
+
+    @property
+    def client_id(self) -> int:
+        """Who reserves: drawn when the client connects, and again in a forked child (a
+        process of its own reserves under a bound of its own); never 0."""
+        if self._generation != forks.generation():
+            self._client_id = secrets.randbits(63) | 1
+            self._generation = forks.generation()
+        return self._client_id
 
     # -- allocate ----------------------------------------------------------------------
 

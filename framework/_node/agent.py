@@ -21,6 +21,7 @@ import threading
 
 from kvfabric._node.membership import Membership
 from kvfabric._node.node import DataNode
+from kvfabric._runtime.log_limit import LimitedLog
 from kvfabric.errors import (
     ControllerUnavailableError,
     KvfabricError,
@@ -41,6 +42,9 @@ class NodeAgent:
         self.heartbeat = heartbeat
         self.membership = membership
         self.registered: NodeInfo | None = None
+        # What repeats every heartbeat while it lasts (a name in use, an error reply):
+        # a line a minute, with a count of the rest.
+        self._limited = LimitedLog(log)
         membership.on_reset = self._forget_registration
         self._stop = threading.Event()
         self._changed = threading.Condition()
@@ -73,7 +77,7 @@ class NodeAgent:
                     self.registered = None
                     continue
             except NameInUseError as exc:
-                log.warning("%s; waiting", exc)
+                self._limited.warning("name in use", "%s; waiting", exc)
             except RegistrationInterruptedError as exc:
                 # Clients may have written to this node meanwhile: its next registration
                 # scans its memory and reports what it finds, as after any restart.
@@ -82,7 +86,7 @@ class NodeAgent:
             except ControllerUnavailableError as exc:
                 log.debug("%s unavailable: %s", self.membership.where, exc)
             except KvfabricError as exc:
-                log.error("node agent: %s", exc)
+                self._limited.error(type(exc).__name__, "node agent: %s", exc)
             self._stop.wait(self.heartbeat)
 
     def _register(self) -> None:

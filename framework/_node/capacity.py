@@ -58,10 +58,11 @@ def check_capacity(
     """Raise :class:`ConfigError` for a capacity this node cannot or should not allocate."""
     smallest = record_size(1)
     if capacity < smallest:
+        # A size without a unit is bytes: "16" likely meant 16GiB (no such hint for 0).
+        hint = f"; a size without a unit is bytes: write e.g. {capacity}GiB" if capacity else ""
         raise ConfigError(
             f"{option} {capacity} bytes is smaller than one slot ({smallest} bytes: a "
-            f"record header and one payload block); a size without a unit is bytes: "
-            f"write e.g. {capacity}GiB"
+            f"record header and one payload block){hint}"
         )
     if region_size < smallest:
         raise ConfigError(

@@ -63,13 +63,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     for name in ("count", "repeat", "rounds"):
         if getattr(args, name) < 1:
-            raise ConfigError(f"--{name} must be at least 1")
+            raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if not 0 < args.busy_seconds <= 3600:  # NaN included
+        raise ConfigError(f"--busy-seconds: more than 0 and at most 3600, got {args.busy_seconds}")
+    sizes = tuple(parse_size(s) for s in args.sizes.split(",") if s)
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--sizes: one or more sizes of at least 1 byte, got {args.sizes!r}")
     transports = tuple(t.strip() for t in args.transports.split(",") if t.strip())
     unknown = sorted(set(transports) - {"tcp", "shm", "ucx"})
     if unknown:
         raise ConfigError(f"--transports: unknown {', '.join(unknown)}; choose from tcp, shm, ucx")
     run_bench(
-        sizes=tuple(parse_size(s) for s in args.sizes.split(",") if s),
+        sizes=sizes,
         count=args.count,
         repeat=args.repeat,
         redis=not args.no_redis,

@@ -122,8 +122,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     from kvfabric._control.remote_index import fetch_stats
     from kvfabric._control.security import Credentials, load_secret
     from kvfabric._tools.endpoints import control_endpoint
+    from kvfabric._tools.server_build import duration
     from kvfabric._tools.stats_format import FORMATS
-    from kvfabric.spi.units import parse_duration
 
     if args.index:
         print(FORMATS[args.format](_shared_index_stats(args)))
@@ -132,7 +132,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     endpoint = control_endpoint(args.controller, "--controller")
     client = ControlClient(
         endpoint,
-        timeout=parse_duration(args.timeout),
+        timeout=duration(args.timeout, "--timeout"),
         credentials=Credentials.from_secret(secret) if secret else None,
     )
     try:

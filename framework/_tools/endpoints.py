@@ -16,7 +16,8 @@ from kvfabric.errors import ConfigError, KvfabricError
 
 __all__ = ["ListenError", "control_endpoint", "listen_error"]
 
-_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+|\*):(\d{1,5})$")
+# ASCII only: ZeroMQ cannot use any other name or digit (and says only "Invalid argument").
+_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+|\*):(\d{1,5})$", re.ASCII)
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 

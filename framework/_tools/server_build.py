@@ -24,6 +24,7 @@ from kvfabric._node.capacity import check_capacity
 from kvfabric._node.membership import ControllerMembership, IndexMembership, Membership
 from kvfabric._node.node import DataNode
 from kvfabric._plugins import PluginOptions, group_plugin_options, plugin_manager
+from kvfabric._runtime.bounds import MAX_DURATION, bounded, check_host
 from kvfabric._tools.endpoints import control_endpoint, listen_error
 from kvfabric.errors import ConfigError, TransportError
 from kvfabric.spi.backend import BackendConfig
@@ -59,12 +60,23 @@ def _size(text: str, option: str) -> int:
         raise ConfigError(f"{option}: {exc}") from None
 
 
-def duration(text: str | float, option: str) -> float:
-    """``text`` in seconds; a ConfigError naming ``option`` if it does not parse."""
+_DURATION = bounded(parse_duration, above=0.0, at_most=MAX_DURATION, unit="s")
+_DURATION_OR_ZERO = bounded(parse_duration, at_least=0.0, at_most=MAX_DURATION, unit="s")
+
+
+def duration(text: str | float, option: str, *, zero: bool = False) -> float:
+    """``text`` in seconds; a ConfigError naming ``option`` if it does not parse, or is not
+    more than 0 (``zero``: 0 or more) and at most :data:`MAX_DURATION`."""
     try:
-        return parse_duration(text)
+        return (_DURATION_OR_ZERO if zero else _DURATION)(str(text))
     except ConfigError as exc:
         raise ConfigError(f"{option}: {exc}") from None
+
+
+def _headroom(value: float) -> float:
+    if not 0.0 <= value < 1.0:  # NaN included
+        raise ConfigError(f"--headroom: {value!r} is out of range; accepted: 0 to under 1")
+    return value
 
 
 def credentials_from(args: argparse.Namespace) -> Credentials | None:
@@ -95,8 +107,8 @@ def index_from(args: argparse.Namespace, settings: PluginOptions) -> IndexPlugin
     return index_cls.create(
         IndexConfig(
             lease=duration(getattr(args, "lease", defaults.lease), "--lease"),
-            grace=duration(getattr(args, "grace", defaults.grace), "--grace"),
-            headroom=getattr(args, "headroom", defaults.headroom),
+            grace=duration(getattr(args, "grace", defaults.grace), "--grace", zero=True),
+            headroom=_headroom(getattr(args, "headroom", defaults.headroom)),
             options=settings.claim(index_cls),
             replicas=replicas,
         )
@@ -175,8 +187,8 @@ def _transport_names(text: str) -> list[str]:
 
 def _transport_config(args: argparse.Namespace, credentials: Credentials | None) -> TransportConfig:
     return TransportConfig(
-        host=args.host,
-        advertise=args.advertise,
+        host=check_host(args.host, "--host"),
+        advertise=None if args.advertise is None else check_host(args.advertise, "--advertise"),
         port=args.port,
         timeout=duration(args.timeout, "--timeout"),
         token=credentials.data_token if credentials else b"",
@@ -243,10 +255,16 @@ def node_from(
     # Checked before any region is allocated: a capacity this machine cannot give fails
     # here with what to do, not halfway through allocation.
     check_capacity(capacity, region_size, plugin_manager().backend(args.backend))
+    transports = [t.strip() for t in args.transport.split(",") if t.strip()]
+    if not transports or transports == ["none"]:
+        raise ConfigError(
+            f"--transport {args.transport!r}: a data node serves over at least one transport "
+            "(e.g. tcp,shm; `kvfabric plugins` lists them)"
+        )
     try:
         return DataNode.create(
             backend=args.backend,
-            transports=[t.strip() for t in args.transport.split(",") if t.strip()],
+            transports=transports,
             backend_config=BackendConfig(
                 capacity=capacity, region_size=region_size, path=args.path
             ),

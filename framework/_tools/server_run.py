@@ -28,6 +28,7 @@ from kvfabric._control.remote_index import fetch_stats
 from kvfabric._node.agent import NodeAgent
 from kvfabric._node.membership import Membership
 from kvfabric._node.node import DataNode
+from kvfabric._runtime.bounds import check_host
 from kvfabric._tools.endpoints import listen_error
 from kvfabric._tools.metrics import MetricsServer, Scopes, ScopesCollector
 from kvfabric._tools.server_build import (
@@ -136,7 +137,8 @@ def _metrics(args: argparse.Namespace, fetch: Callable[[], Scopes], source: str)
     if args.metrics_port is None:
         yield ""
         return
-    server = MetricsServer(ScopesCollector(fetch, source), args.metrics_host, args.metrics_port)
+    host = check_host(args.metrics_host, "--metrics-host")
+    server = MetricsServer(ScopesCollector(fetch, source), host, args.metrics_port)
     try:
         yield f"; metrics at {server.url}"
     finally:

@@ -1,6 +1,6 @@
 """The control protocol between clients, data nodes and the controller.
 
-Every message is one ZeroMQ frame: a fixed 24-byte header, then a type-specific body in
+Every message is one ZeroMQ frame: a fixed 32-byte header, then a type-specific body in
 fixed-layout fields (``struct``; never pickle)::
 
     header  magic "KVFC" | version u16 | type u16 | request id u64 | epoch u64

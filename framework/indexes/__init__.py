@@ -1,1 +1,2 @@
-"""Index plugins (entry-point group ``kvfabric.indexes``); ``memory`` is the built-in."""
+"""Index plugins (entry-point group ``kvfabric.indexes``): the built-in ``memory`` (in the
+controller's process) and ``redis`` (Redis, Redis Cluster or Valkey; no controller)."""

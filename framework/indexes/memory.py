@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from kvfabric._runtime.bounds import bounded
 from kvfabric.descriptor import Descriptor
 from kvfabric.indexes.index_counters import LOOKUP_COUNTERS, WRITE_COUNTERS
 from kvfabric.indexes.memory_entries import EntryTable
@@ -54,6 +55,7 @@ from kvfabric.spi import (
     OptionSpec,
     Region,
     Registry,
+    format_size,
     hookimpl,
     parse_size,
 )
@@ -93,7 +95,11 @@ class MemoryIndex(IndexPlugin):
     options = (
         OptionSpec(
             name="image",
-            parse=parse_size,
+            # One 64-byte bucket at least; past 64 GiB (some 64 million entries) the start
+            # would allocate more than any node's index needs.
+            parse=bounded(
+                parse_size, at_least=64, at_most=64 << 30, zero="keep none", show=format_size
+            ),
             default=_IMAGE_SIZE,
             help="size of the lookup image (clients read it one-sided where the controller "
             "serves it, and the index answers lookups by RPC from it) "

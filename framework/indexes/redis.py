@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from importlib import resources
 from typing import TYPE_CHECKING
 
+from kvfabric._runtime.bounds import MAX_DURATION, bounded
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ConfigError
 from kvfabric.indexes.redis_layout import check_namespace
@@ -108,26 +109,26 @@ class RedisIndex(IndexPlugin):
         ),
         OptionSpec(
             name="timeout",
-            parse=parse_duration,
+            parse=bounded(parse_duration, above=0.0, at_most=MAX_DURATION, unit="s"),
             default=2.0,
             help="seconds a Redis server has to answer before its calls count as failed",
         ),
         OptionSpec(
             name="node_ttl",
-            parse=parse_duration,
+            parse=bounded(parse_duration, above=0.0, at_most=MAX_DURATION, zero="never", unit="s"),
             default=10.0,
             help="a data node that has not heartbeated for this long is dropped (0: never)",
         ),
         OptionSpec(
             name="wait_replicas",
-            parse=int,
+            parse=bounded(int, at_least=0),
             default=0,
             help="a publish succeeds once this many replicas of its master have it (WAIT), "
             "so a failover cannot lose it",
         ),
         OptionSpec(
             name="pool",
-            parse=int,
+            parse=bounded(int, at_least=1),
             default=16,
             help="connections per Redis server",
         ),

@@ -6,14 +6,22 @@ calls do not serialize and the handshake is paid per connection, not per call. A
 connection that failed or timed out is closed, never reused. A pooled connection the node
 closed (it restarted, shut down, or closed it for idling) is retried once on a fresh one:
 reads and writes are idempotent.
+
+After ``os.fork()`` the child's copies of the idle connections are closed at once (closing a
+copy closes only the child's descriptor: no FIN, no TLS close_notify, the parent's stream
+goes on untouched), so no call of the child ever shares a stream with the parent, and a
+node sees the parent's connection end when the parent ends it. A connection some parent
+thread was using at that instant is left to the parent.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
+from kvfabric._runtime import forks
 from kvfabric.errors import ProtocolError
 from kvfabric.transports.tcp.connection import Connection, Link
 
@@ -39,6 +47,7 @@ class Peer:
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._closed = False
+        _peers.add(self)
 
     def take(self) -> Connection | None:
         with self._lock:
@@ -64,6 +73,26 @@ class Peer:
 
     def open(self, deadline: float) -> Connection:
         return Connection.open(self.address, self.link, deadline)
+
+    def forget_inherited(self) -> None:
+        """In a forked child, before any other thread runs: close this process's copies of
+        the idle connections (never ``shutdown``, which would end the parent's stream too)
+        and drop a lock some parent thread may have held."""
+        idle, self._idle = self._idle, []
+        self._lock = threading.Lock()
+        for conn in idle:
+            conn.close()
+
+
+_peers: weakref.WeakSet[Peer] = weakref.WeakSet()
+
+
+def _forget_inherited() -> None:
+    for peer in list(_peers):
+        peer.forget_inherited()
+
+
+forks.in_child(_forget_inherited)
 
 
 def on_connection(peer: Peer, work: Callable[[Connection], T], deadline: float) -> T:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvfabric._runtime.bounds import MAX_DURATION, bounded
 from kvfabric.errors import ConfigError
 from kvfabric.spi import (
     Capabilities,
@@ -21,6 +22,13 @@ from kvfabric.transports.tcp.tuning import parse_read_lanes, parse_send_buffer
 
 __all__ = ["TcpTransport"]
 
+# Counts and timeouts that make sense: a node serves at least one connection, a handshake
+# and a frame get some time, an idle limit of 0 means none.
+_PER_NODE = bounded(int, at_least=0)
+_AT_LEAST_ONE = bounded(int, at_least=1)
+_TIMEOUT = bounded(parse_duration, above=0.0, at_most=MAX_DURATION, unit="s")
+_IDLE = bounded(parse_duration, above=0.0, at_most=MAX_DURATION, zero="never", unit="s")
+
 # A spin is a latency trade: past a millisecond it only burns a CPU.
 _MAX_BUSY_POLL = 1e-3
 
@@ -37,34 +45,34 @@ class TcpTransport(Transport):
     # Any host; the fallback where no one-sided transport reaches.
     preference = 20
     options = (
-        OptionSpec(name="pool", parse=int, default=8, help="idle connections kept per node"),
+        OptionSpec(name="pool", parse=_PER_NODE, default=8, help="idle connections kept per node"),
         OptionSpec(
             name="max_connections",
-            parse=int,
+            parse=_AT_LEAST_ONE,
             default=1024,
             help="authenticated connections the node serves at once (a thread each)",
         ),
         OptionSpec(
             name="max_pending",
-            parse=int,
+            parse=_AT_LEAST_ONE,
             default=128,
             help="connections still in their handshake; past it the oldest is closed",
         ),
         OptionSpec(
             name="handshake_timeout",
-            parse=parse_duration,
+            parse=_TIMEOUT,
             default=5.0,
             help="a new connection must complete its handshake (TLS included) within this",
         ),
         OptionSpec(
             name="idle_timeout",
-            parse=parse_duration,
+            parse=_IDLE,
             default=300.0,
             help="the node closes a connection idle between frames this long (0: never)",
         ),
         OptionSpec(
             name="frame_timeout",
-            parse=parse_duration,
+            parse=_TIMEOUT,
             default=30.0,
             help="a frame and its reply, from the frame's first byte, must complete within this",
         ),

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 
 from kvfabric._client.extents import EXTENT_BYTES, Carving, ExtentPool, stripes
-from kvfabric._client.index_calls import IndexCalls
+from kvfabric._client.index_calls import IndexCalls, Outcomes
 from kvfabric._client.put_outcome import PutOutcome
 from kvfabric._client.record_io import RecordIO
 from kvfabric._client.topology import Topology
@@ -204,21 +204,26 @@ class CarvedWrites:
                             crc=crc,
                         )
                     )
-        results = (
-            self._calls.ask(self._index.publish_carved, landed, again) if landed or again else []
+        told = (
+            self._calls.publish(self._index.publish_carved, landed, again)
+            if landed or again
+            else Outcomes([], held=False)
         )
         if report.failed_nodes or len(landed) < len(descriptors):
             self._topology.relearn_after_failure()
-        outcome_of = dict(
+        outcome_of: dict[tuple[int, int], CarveOutcome | None] = dict(
             zip(
                 ((r.extent, r.offset) for r in landed),
-                results if results is not None else [CarveOutcome.REFUSED] * len(landed),
+                told.values if told is not None else [CarveOutcome.REFUSED] * len(landed),
                 strict=True,
             )
         )
+        if told is not None and told.held:
+            self._wipe_unknown(carvings, outcome_of)
         outcomes = [PutOutcome.FAILED] * len(pieces)
         for carving in carvings:
             extent = carving.held.extent.id
+            # None: not landed, or its publish is not known (reported not stored).
             mine = [outcome_of.get((extent, d.offset)) for d in carving.descriptors]
             for i, outcome in zip(carving.positions, mine, strict=True):
                 if outcome is not None:
@@ -235,3 +240,21 @@ class CarvedWrites:
         )
         self._counters.update(carved_writes=len(landed), payload_bytes_written=written)
         return outcomes
+
+    def _wipe_unknown(
+        self, carvings: list[Carving], outcome_of: dict[tuple[int, int], CarveOutcome | None]
+    ) -> None:
+        """Wipe the records whose publish the index could not tell of, in extents still
+        this writer's (early in their lease, none given back): no scan of a node may find
+        them and bring them back as stored after a controller restart."""
+        now = time.monotonic()
+        unknown = [
+            d
+            for carving in carvings
+            if now < carving.held.expires_at
+            for d in carving.descriptors
+            if (carving.held.extent.id, d.offset) in outcome_of
+            and outcome_of[carving.held.extent.id, d.offset] is None
+        ]
+        if unknown:
+            self._counters.add("records_wiped", self._records.wipe(unknown))

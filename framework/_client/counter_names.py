@@ -3,7 +3,9 @@
 Failures are counted, not raised, on the read path: ``controller_unavailable`` (no answer in
 time), ``controller_errors`` (an error reply or a malformed reply), ``transport_failures``
 (a data node that could not be used for a batch), ``validation_failures`` (a landed record
-that did not match), ``put_failures`` and ``delete_failures``.
+that did not match), ``put_failures`` and ``delete_failures``. ``outcomes_unknown`` counts
+records whose publish the index never confirmed nor denied (reported ``FAILED``), and
+``records_wiped`` those of them whose headers this client wiped so no scan restores them.
 
 Lookups answered from the lookup image are ``onesided_lookups`` (no control RPC;
 ``image_round_trips`` data-plane reads of it), those it could not fully answer
@@ -40,6 +42,8 @@ CLIENT_COUNTERS = (
     "in_flight_skips",
     "no_space",
     "put_failures",
+    "outcomes_unknown",
+    "records_wiped",
     "late_writes_avoided",
     "deletes",
     "delete_failures",

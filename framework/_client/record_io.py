@@ -234,6 +234,29 @@ class RecordIO:
                 crcs[i] = crc
         return WriteReport(crcs=crcs, failed_nodes=len(failed))
 
+    def wipe(self, descriptors: Sequence[Descriptor]) -> int:
+        """Zero the headers of records this client wrote into slots still its own but whose
+        publish is not known to have been served: no read validates them and no scan of a
+        node finds them, so a controller that restarts never restores them. How many were
+        wiped (a node that fails keeps its records: best effort)."""
+        per_node: dict[int, list[Descriptor]] = {}
+        for d in descriptors:
+            if self._routes.knows_all([d.node]):
+                per_node.setdefault(d.node, []).append(d)
+        if not per_node:
+            return 0
+        zeros = memoryview(bytes(HEADER_SIZE))
+
+        def job(node: int, records: list[Descriptor]) -> int:
+            segments = [Segment(d.region, d.rkey, d.offset, zeros) for d in records]
+            errors = self._routes.client_for(node).write(node, segments)
+            return sum(error is None for error in errors)
+
+        outcomes = self._per_node(
+            {node: functools.partial(job, node, records) for node, records in per_node.items()}
+        )
+        return sum(n for n in outcomes.values() if isinstance(n, int))
+
     # -- raw slot access (tools and tests) -----------------------------------------------
 
     def read_slot(self, descriptor: Descriptor, at: int, buffer: Any) -> None:

@@ -9,13 +9,22 @@ writes of every granted copy, and one ``publish`` call for the copies that lande
 keys with no copy published are given back. A writer held up for much of its lease writes
 nothing: a slot whose lease ran out may already hold another key's record. Failures of the
 index or of a data node are ``FAILED`` outcomes, counted, never raised.
+
+Outcomes are true whatever the size of the put or a timeout: ``STORED`` is readable,
+``FAILED`` is not published. A put of more than :data:`PUT_ROUND_KEYS` keys runs as rounds
+of at most that many (each its own allocate, writes and publish), so what one put holds
+reserved at once, and for how long, stays bounded. Where the index cannot say what became
+of a publish (:meth:`~kvfabric._client.index_calls.IndexCalls.publish`: no answer, and
+none to the question either), those keys are ``FAILED`` and, while their slots are still
+this writer's (within the lease), their records' headers are wiped, so no node's scan brings
+them back as stored after a controller restart.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 from kvfabric._client.carved_writes import CarvedWrites
 from kvfabric._client.index_calls import IndexCalls
@@ -29,10 +38,21 @@ from kvfabric.errors import ValueTooLargeError
 from kvfabric.spi.counters import Counters
 from kvfabric.spi.index import AllocationKind, AllocationRequest, GrantRef
 
-__all__ = ["Writes"]
+__all__ = ["PUT_ROUND_KEYS", "Writes"]
+
+Copy: TypeAlias = tuple[int, Descriptor]
+"""A copy to write: the position of its key in the put, and its grant."""
+_Written: TypeAlias = tuple[list[Copy], list[Copy], list[Copy], set[int]]
 
 # A writer that used more than this share of its lease before writing gives the grants up.
 _LEASE_SHARE = 0.5
+# A record whose publish is unknown is wiped only this early in its lease: the slot is surely
+# still this writer's (the lease is counted from before the index granted it).
+_WIPE_SHARE = 0.9
+
+PUT_ROUND_KEYS = 16384
+"""Keys a put stores in one round (allocate, writes, publish); a larger put runs several, so
+its reservations stay well within what the controller lets one client hold."""
 
 _OUTCOME_OF = {
     AllocationKind.EXISTS: PutOutcome.DEDUPLICATED,
@@ -82,6 +102,17 @@ class Writes:
                 )
         self._prefetch.drop(keys)
         self._counters.add("puts")
+        if len(keys) <= PUT_ROUND_KEYS:
+            return self._put_round(keys, pieces, lengths)
+        outcomes: list[PutOutcome] = []
+        for start in range(0, len(keys), PUT_ROUND_KEYS):
+            end = start + PUT_ROUND_KEYS
+            outcomes += self._put_round(keys[start:end], pieces[start:end], lengths[start:end])
+        return outcomes
+
+    def _put_round(
+        self, keys: Sequence[bytes], pieces: Sequence[list[memoryview]], lengths: Sequence[int]
+    ) -> list[PutOutcome]:
         if self._carved is not None:
             carved = self._carved.put(keys, pieces, lengths)
             if carved is not None:
@@ -123,6 +154,7 @@ class Writes:
                 outcomes.append(_OUTCOME_OF[alloc.kind])
             granted += [(i, d) for d in alloc.replicas]
         written: list[tuple[int, Descriptor]] = []
+        unknown: list[tuple[int, Descriptor]] = []
         published: set[int] = set()
         if granted and result.lease and time.monotonic() - asked_at > result.lease * _LEASE_SHARE:
             # This writer was held up (paused, swapped out) for much of its lease: a slot
@@ -130,7 +162,7 @@ class Writes:
             self._counters.add("late_writes_avoided", len(granted))
             failed = list(granted)
         else:
-            written, failed, published = self._write(granted, pieces)
+            written, failed, unknown, published = self._write(granted, pieces)
         failed_keys = {
             i for i, _ in granted if outcomes[i] is PutOutcome.STORED and i not in published
         }
@@ -141,6 +173,11 @@ class Writes:
         giving_back = [d for i, d in failed if i not in published]
         if giving_back:
             self._calls.ask(self._index.abort, [GrantRef.of(d) for d in giving_back])
+        if unknown and time.monotonic() - asked_at < result.lease * _WIPE_SHARE:
+            # Not known to be published, and the slots are still this writer's: no scan of
+            # the node may find these records and bring them back as stored.
+            wiped = self._records.wipe([d for i, d in unknown if i not in published])
+            self._counters.add("records_wiped", wiped)
         new_keys = {i for i, _ in written if result.allocations[i].kind is AllocationKind.GRANTED}
         self._counters.update(
             evictions=result.evictions,
@@ -155,14 +192,13 @@ class Writes:
         )
         return outcomes
 
-    def _write(
-        self, granted: list[tuple[int, Descriptor]], pieces: Sequence[list[memoryview]]
-    ) -> tuple[list[tuple[int, Descriptor]], list[tuple[int, Descriptor]], set[int]]:
+    def _write(self, granted: list[Copy], pieces: Sequence[list[memoryview]]) -> _Written:
         """Write the granted copies and publish those that landed: returns the copies
-        written, the copies not published (write or publish failed) and the positions of
-        the keys with a copy published."""
+        written, the copies not published (write or publish failed), those whose publish
+        the index could not tell of (held still: their records may be wiped) and the
+        positions of the keys with a copy published."""
         if not granted:
-            return [], [], set()
+            return [], [], [], set()
         self._topology.learn({d.node for _, d in granted})
         report = self._records.write([d for _, d in granted], [pieces[i] for i, _ in granted])
         self._counters.add("transport_failures", report.failed_nodes)
@@ -171,14 +207,17 @@ class Writes:
         written = [(g, crc) for g, crc in zip(granted, report.crcs, strict=True) if crc is not None]
         failed = [g for g, crc in zip(granted, report.crcs, strict=True) if crc is None]
         published: set[int] = set()
+        unknown: list[Copy] = []
         if written:
-            flags = self._calls.ask(
+            told = self._calls.publish(
                 self._index.publish, [GrantRef.of(d, crc) for (_, d), crc in written]
             )
-            ok = flags if flags is not None else [False] * len(written)
-            for (g, _), flag in zip(written, ok, strict=True):
+            flags = told.values if told is not None else [False] * len(written)
+            for (g, _), flag in zip(written, flags, strict=True):
                 if flag:
                     published.add(g[0])
-                else:
+                elif flag is None and told is not None and told.held:
+                    unknown.append(g)
+                elif flag is not None:
                     failed.append(g)
-        return [g for g, _ in written], failed, published
+        return [g for g, _ in written], failed, unknown, published

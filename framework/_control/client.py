@@ -6,7 +6,8 @@ lookups do not queue behind each other, and a thread that made a call and ended 
 nothing: the pool keeps at most :data:`IDLE_SOCKETS` idle sockets, closing the rest.
 A call that finds no connected controller fails at once; one that gets no reply within
 ``timeout`` fails, its socket is closed (so a late reply or a queued request cannot surface
-later), and further calls fail fast for ``retry_interval`` before the next attempt. ZeroMQ
+later), and further calls fail fast for ``retry_interval`` before the next attempt (a large
+request's chunks go through a :meth:`ControlClient.session` instead). ZeroMQ
 reconnects on its own, so a restarted controller is picked up without recreating anything;
 the reply's epoch tells that it restarted. A client used in a child after ``os.fork()`` makes
 its own context and sockets on its first call there.
@@ -27,9 +28,18 @@ from collections.abc import Callable
 import zmq
 
 from kvfabric._control.security import Credentials
+from kvfabric._control.session import ControlSession
 from kvfabric._runtime import forks
 from kvfabric._runtime.codec import Reader
-from kvfabric._wire.protocol import REPLY_BIT, ErrorCode, MsgType, decode_header, encode, read_error
+from kvfabric._wire.protocol import (
+    REPLY_BIT,
+    ErrorCode,
+    Header,
+    MsgType,
+    decode_header,
+    encode,
+    read_error,
+)
 from kvfabric.errors import ControllerUnavailableError, ProtocolError, RemoteError
 
 __all__ = ["IDLE_SOCKETS", "ControlClient", "ControllerRefusedError", "UnknownNodeError"]
@@ -93,6 +103,36 @@ class ControlClient:
             self._down_until = 0.0
             self._generation = forks.generation()
 
+    def session(self) -> ControlSession:
+        """Several requests pipelined on one socket (a large request's chunks, and what
+        follows them): see :mod:`kvfabric._control.session`. Raises
+        :class:`ControllerUnavailableError` while the controller is taken for down."""
+        if self._generation != forks.generation():
+            self._after_fork()
+        return ControlSession(self)
+
+    def check_up(self) -> None:
+        """Raise :class:`ControllerUnavailableError` while the controller is taken for
+        down (for ``retry_interval`` after a call it did not answer)."""
+        if time.monotonic() < self._down_until:
+            raise ControllerUnavailableError(f"controller {self.endpoint} is down (retrying)")
+
+    def mark_down(self) -> None:
+        """The controller did not answer: calls fail fast for ``retry_interval``."""
+        self._down_until = time.monotonic() + self.retry_interval
+
+    def next_request_id(self) -> int:
+        return next(self._ids)
+
+    def checkout(self) -> zmq.Socket[bytes]:
+        """A socket of the pool (or a new one), for one caller at a time."""
+        return self._checkout()
+
+    def checkin(self, sock: zmq.Socket[bytes]) -> None:
+        """Give a socket back after a session whose every request was answered."""
+        self._down_until = 0.0
+        self._checkin(sock)
+
     def _checkout(self) -> zmq.Socket[bytes]:
         with self._lock:
             if self._closed:
@@ -133,9 +173,8 @@ class ControlClient:
         """
         if self._generation != forks.generation():
             self._after_fork()
+        self.check_up()
         now = time.monotonic()
-        if now < self._down_until:
-            raise ControllerUnavailableError(f"controller {self.endpoint} is down (retrying)")
         request_id = next(self._ids)
         limit = self.timeout if timeout is None else timeout
         deadline = now + limit
@@ -163,12 +202,18 @@ class ControlClient:
             # This socket may still get the reply (or hold the request): never reuse it.
             sock.close(linger=0)
             if isinstance(exc, ControllerUnavailableError | zmq.ZMQError):
-                self._down_until = time.monotonic() + self.retry_interval
+                self.mark_down()
             if isinstance(exc, zmq.ZMQError):
                 raise ControllerUnavailableError(f"controller {self.endpoint}: {exc}") from exc
             raise
         self._checkin(sock)
         self._down_until = 0.0
+        return self.answer(msg_type, header, reader)
+
+    def answer(self, msg_type: MsgType, header: Header, reader: Reader) -> Reader:
+        """The body of a reply to a ``msg_type`` request, its epoch and membership noted;
+        :class:`ControllerRefusedError` for an ``ERROR`` reply, ProtocolError for a reply
+        of another type."""
         self._note_epoch(header.epoch)
         self._note_membership(header.membership)
         if header.type == MsgType.ERROR:

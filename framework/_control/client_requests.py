@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import attrs
+
 from kvfabric._control.image_publisher import ImagePublisher
 from kvfabric._control.refusal import Handler
+from kvfabric._control.reservations import Reservations
 from kvfabric._runtime.codec import Reader, Writer
 from kvfabric._wire import protocol as p
 from kvfabric._wire.protocol import MsgType
-from kvfabric.spi.index import IndexPlugin
+from kvfabric.spi.index import Allocation, AllocationKind, GrantRef, IndexPlugin
 
 __all__ = ["CLIENT_TYPES", "ClientRequests"]
 
@@ -41,9 +44,13 @@ CLIENT_TYPES = frozenset(
 class ClientRequests:
     """The handlers of clients' requests against one index (``handlers``, by type)."""
 
-    def __init__(self, index: IndexPlugin, image: ImagePublisher) -> None:
+    def __init__(
+        self, index: IndexPlugin, image: ImagePublisher, reservations: Reservations
+    ) -> None:
+        """``reservations``: what each client holds reserved, and its bound."""
         self._index = index
         self._image = image
+        self._reservations = reservations
         self.handlers: dict[int, Handler] = {
             MsgType.NODES: self._nodes,
             MsgType.LOOKUP_PREFIX: self._lookup_prefix,
@@ -77,18 +84,56 @@ class ClientRequests:
         return lambda: p.write_flags(self._index.exists(keys))
 
     def _allocate(self, r: Reader) -> Callable[[], bytes]:
+        client = p.read_client(r)
         requests = p.read_allocation_requests(r)
-        return lambda: p.write_allocate_result(self._index.allocate(requests))
+
+        def apply() -> bytes:
+            reservations = self._reservations
+            admitted = reservations.admit(client, requests)
+            result = self._index.allocate(
+                requests[:admitted] if admitted < len(requests) else requests
+            )
+            reservations.granted(client, result)
+            if admitted < len(requests):
+                # Past this client's bound: refused as a full store would refuse them.
+                refused = (_NO_SPACE,) * (len(requests) - admitted)
+                result = attrs.evolve(result, allocations=result.allocations + refused)
+            return p.write_allocate_result(result)
+
+        return apply
 
     def _publish(self, r: Reader) -> Callable[[], bytes]:
         grants = p.read_grants(r)
-        return lambda: p.write_flags(self._index.publish(grants))
+
+        def apply() -> bytes:
+            flags = self._index.publish(grants)
+            self._reservations.published(grants, flags)
+            return p.write_flags(flags)
+
+        return apply
 
     def _lease_extents(self, r: Reader) -> Callable[[], bytes]:
+        client = p.read_client(r)
         need, want, count, exclude, returned = p.read_lease_request(r)
-        return lambda: p.write_extents(
-            self._index.lease_extents(need, want, count, exclude, returned)
-        )
+
+        def apply() -> bytes:
+            reservations = self._reservations
+            reservations.returned(returned)
+            room, extents = reservations.extent_room(client)
+            if need > 0:
+                # No more than this client may hold: fewer extents, or none (it then
+                # allocates per key, under the same bound).
+                allowed = min(count, extents, room // need)
+                if allowed < count:
+                    self._reservations.refused_extents(count - allowed)
+                asked = max(need, min(want, room // max(allowed, 1)))
+            else:
+                allowed, asked = 0, want
+            leased = self._index.lease_extents(need, asked, allowed, exclude, returned)
+            reservations.leased(client, leased)
+            return p.write_extents(leased)
+
+        return apply
 
     def _publish_carved(self, r: Reader) -> Callable[[], bytes]:
         records, again = p.read_carved(r)
@@ -99,7 +144,10 @@ class ClientRequests:
 
         def apply() -> bytes:
             self._index.abort(grants)
-            return b""
+            self._reservations.aborted(grants)
+            # Per grant: published (its publish was served first), or not (released now,
+            # if it was still pending). A writer whose publish went unanswered learns here.
+            return p.write_flags(_published(self._index, grants))
 
         return apply
 
@@ -122,3 +170,18 @@ class ClientRequests:
     def _report_invalid(self, r: Reader) -> Callable[[], bytes]:
         records = p.read_grants(r)
         return lambda: Writer().u32(self._index.drop_invalid(records)).getvalue()
+
+
+_NO_SPACE = Allocation(kind=AllocationKind.NO_SPACE)
+
+
+def _published(index: IndexPlugin, grants: list[GrantRef]) -> list[bool]:
+    """Whether each grant's key is published under that grant's version (any copy)."""
+    copies = index.resolve_copies([g.key for g in grants])
+    out = []
+    for position, (grant, found) in enumerate(zip(grants, copies.descriptors, strict=True)):
+        versions = {d.version for d in copies.alternates.get(position, ())}
+        if found is not None:
+            versions.add(found.version)
+        out.append(grant.version in versions)
+    return out

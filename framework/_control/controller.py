@@ -13,6 +13,14 @@ registers it with each server like a region and tells clients where it is (``IMA
 clients then answer lookups by reading it one-sided, and the controller does nothing per
 such lookup. The index restamps the image's heartbeat at every tick of the loop, so a
 client mapping it on this host stops trusting it once the controller stops.
+
+Its port bounds what a peer can make it hold before any frame is trusted, authenticated or
+not: a frame larger than ``max_frame`` is refused by ZeroMQ as its size arrives (the peer
+is disconnected, nothing is allocated for it), and each connection may have at most
+:data:`RECEIVE_QUEUE` frames queued (ZeroMQ stops reading from a connection past that), so
+one connection can hold at most ``RECEIVE_QUEUE x max_frame`` bytes of it. Clients send
+large requests as chunks far below the bound (:mod:`kvfabric._control.session`). What each
+client may hold *reserved* in the index is bounded too (:mod:`kvfabric._control.reservations`).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from kvfabric._control.client_requests import CLIENT_TYPES, ClientRequests
 from kvfabric._control.image_publisher import ImagePublisher
 from kvfabric._control.node_members import NodeMembers
 from kvfabric._control.refusal import Handler, Refusal
+from kvfabric._control.reservations import ReservationLimits, Reservations
 from kvfabric._control.security import Credentials
 from kvfabric._runtime.codec import Reader, Writer
 from kvfabric._wire import protocol as p
@@ -43,6 +52,13 @@ from kvfabric.spi.transport import TransportServer
 __all__ = ["Controller"]
 
 log = logging.getLogger("kvfabric._control.controller")
+
+MAX_FRAME = 4 << 20
+"""The largest control frame the controller takes by default: sixteen times the largest
+chunk a client sends (:data:`kvfabric._control.session.CHUNK_BYTES`), with room for a data
+node's registration of thousands of regions."""
+RECEIVE_QUEUE = 16
+"""Frames one connection may have queued at the controller (a client pipelines a few)."""
 
 UPKEEP_LOG_INTERVAL = 60.0
 """Seconds between log records of one failing upkeep step of the index's (each failure is
@@ -62,11 +78,15 @@ class Controller:
         credentials: Credentials | None = None,
         image_servers: Mapping[str, TransportServer] | None = None,
         freeze_long_lived: bool = False,
+        max_frame: int = MAX_FRAME,
+        reservation_limits: ReservationLimits | None = None,
     ) -> None:
         """``image_servers``: transport servers (by name) to serve the index's lookup image
         on; none: clients look everything up by RPC. ``freeze_long_lived``: every tick,
         exempt what outlived the young generations from later full collections (for a
-        process of the controller's own; see :meth:`_freeze_gc`)."""
+        process of the controller's own; see :meth:`_freeze_gc`). ``max_frame``: the
+        largest frame taken, in bytes. ``reservation_limits``: what one client may hold
+        reserved (default: :class:`ReservationLimits`'s)."""
         self.listen = listen
         self.index = index
         self.tick = tick
@@ -80,8 +100,14 @@ class Controller:
         self._freeze_long_lived = freeze_long_lived
         self._image = ImagePublisher(index, image_servers or {})
         self._nodes = NodeMembers(index, node_timeout, self._counters)
+        self.max_frame = max_frame
+        self._capacity = (-1, 0)
+        """(nodes generation, capacity in bytes) as last summed."""
+        self._reservations = Reservations(
+            reservation_limits or ReservationLimits(), self._capacity_now, self._counters
+        )
         self._handlers: dict[int, Handler] = {
-            **ClientRequests(index, self._image).handlers,
+            **ClientRequests(index, self._image, self._reservations).handlers,
             **self._nodes.handlers,
             MsgType.STATS: self._stats,
         }
@@ -89,6 +115,14 @@ class Controller:
     @property
     def node_timeout(self) -> float:
         return self._nodes.node_timeout
+
+    def _capacity_now(self) -> int:
+        """The store's capacity: its nodes' regions, summed again when the nodes change."""
+        generation = self._nodes.generation
+        if self._capacity[0] != generation:
+            total = sum(r.size for node in self.index.nodes() for r in node.regions)
+            self._capacity = (generation, total)
+        return self._capacity[1]
 
     @property
     def image(self) -> p.ImageLocation | None:
@@ -103,6 +137,9 @@ class Controller:
         authenticator = None
         sock = context.socket(zmq.ROUTER)
         sock.linger = 0
+        # Bounds on what a peer can make this process hold, set before it can connect.
+        sock.maxmsgsize = self.max_frame
+        sock.rcvhwm = RECEIVE_QUEUE
         try:
             if self._credentials is not None:
                 authenticator = self._start_authenticator(context)
@@ -227,6 +264,7 @@ class Controller:
 
     def _maintain(self) -> None:
         self._upkeep(self.index.tick, "tick")
+        self._reservations.expire()
         if self._freeze_long_lived:
             self._freeze_gc()
         self._image.revive()
@@ -264,6 +302,7 @@ class Controller:
             "nodes_dropped": 0,
             "nodes_deregistered": 0,
             **self._counters,
+            **self._reservations.stats(),
             # What later full collections no longer walk (see _freeze_gc).
             **({"gc_frozen_objects": gc.get_freeze_count()} if self._freeze_long_lived else {}),
             # The work the image's servers did (in ``serve``, the node's servers: all of it).

@@ -1,14 +1,25 @@
-"""An :class:`~kvfabric.spi.Index` served by a controller process, one round trip per call."""
+"""An :class:`~kvfabric.spi.Index` served by a controller process, one round trip per call.
+
+A call of a normal size is one request; a large one goes in chunks, pipelined on one socket
+(:mod:`kvfabric._control.session`), and fails whole if any chunk does. A lookup of the
+leading run sends no further chunk once one came back short (the run ended there). The
+writes, whose outcomes must be known, are :mod:`kvfabric._control.remote_writes`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from kvfabric._control.client import ControlClient, ControllerRefusedError
+from kvfabric._control.remote_writes import RemoteWrites
+from kvfabric._control.session import CHUNK_BYTES, CHUNK_KEYS, allowance, chunks
+from kvfabric._runtime.codec import Reader
 from kvfabric._wire import protocol as p
 from kvfabric._wire.protocol import ErrorCode, ImageLocation, MsgType
-from kvfabric.descriptor import Descriptor
-from kvfabric.errors import ProtocolError
+from kvfabric.descriptor import Descriptor, PackedDescriptors
+from kvfabric.errors import ControllerUnavailableError
+from kvfabric.keys import KEY_SIZE
 from kvfabric.spi.index import (
     AllocateResult,
     AllocationRequest,
@@ -23,13 +34,22 @@ from kvfabric.spi.index import (
 
 __all__ = ["RemoteIndex", "fetch_stats"]
 
+T = TypeVar("T")
+R = TypeVar("R")
+
 
 class RemoteIndex(Index):
     """The index a controller serves, one control round trip per call."""
 
     def __init__(self, client: ControlClient) -> None:
         self.client = client
+        self._writes = RemoteWrites(client)
         self._leases_extents = False
+
+    @property
+    def client_id(self) -> int:
+        """The id this client reserves space under (see :mod:`kvfabric._control.reservations`)."""
+        return self._writes.client_id
 
     def leases_extents(self) -> bool:
         """What the controller said when this client last asked where its image is."""
@@ -48,34 +68,54 @@ class RemoteIndex(Index):
         return list(self.resolve_copies(keys).descriptors)
 
     def lookup_copies(self, keys: Sequence[bytes]) -> Copies:
-        r = self.client.call(MsgType.LOOKUP_PREFIX, p.write_keys(keys))
-        found = p.read_copies(r, optional=False)
-        r.end()
-        return found
+        parts = self._ask(
+            MsgType.LOOKUP_PREFIX,
+            keys,
+            KEY_SIZE,
+            p.write_keys,
+            lambda r: p.read_copies(r, optional=False),
+            # The run ended in this chunk: the keys after it are not part of it.
+            short=lambda part, asked: len(part.descriptors) < asked,
+        )
+        if len(parts) == 1:
+            return parts[0]
+        wires: list[bytes] = []
+        alternates: dict[int, tuple[Descriptor, ...]] = {}
+        found = 0
+        for part in parts:
+            descriptors = part.descriptors
+            assert isinstance(descriptors, PackedDescriptors)
+            wires.append(descriptors.wires)
+            alternates.update((found + i, copies) for i, copies in part.alternates.items())
+            found += len(descriptors)
+        return Copies(descriptors=PackedDescriptors(b"".join(wires)), alternates=alternates)
 
     def resolve_copies(self, keys: Sequence[bytes]) -> Copies:
-        r = self.client.call(MsgType.RESOLVE, p.write_keys(keys))
-        found = p.read_copies(r, optional=True)
-        r.end()
-        return found
+        parts = self._ask(
+            MsgType.RESOLVE, keys, KEY_SIZE, p.write_keys, lambda r: p.read_copies(r, optional=True)
+        )
+        if len(parts) == 1:
+            return parts[0]
+        descriptors: list[Descriptor | None] = []
+        alternates: dict[int, tuple[Descriptor, ...]] = {}
+        for part in parts:
+            offset = len(descriptors)
+            descriptors += part.descriptors
+            alternates.update((offset + i, copies) for i, copies in part.alternates.items())
+        return Copies(descriptors=descriptors, alternates=alternates)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        r = self.client.call(MsgType.EXISTS, p.write_keys(keys))
-        flags = p.read_flags(r)
-        r.end()
-        return flags
+        parts = self._ask(MsgType.EXISTS, keys, KEY_SIZE, p.write_keys, p.read_flags)
+        return [flag for part in parts for flag in part]
 
     def allocate(self, requests: Sequence[AllocationRequest]) -> AllocateResult:
-        r = self.client.call(MsgType.ALLOCATE, p.write_allocation_requests(requests))
-        result = p.read_allocate_result(r)
-        r.end()
-        return result
+        return self._writes.allocate(requests)
 
     def publish(self, grants: Sequence[GrantRef]) -> list[bool]:
-        r = self.client.call(MsgType.PUBLISH, p.write_grants(grants))
-        flags = p.read_flags(r)
-        r.end()
-        return flags
+        """Publish ``grants``; where the controller did not answer in time, what became of
+        them is asked (:mod:`kvfabric._control.remote_writes`), and what stays unknown
+        raises :class:`~kvfabric._control.remote_writes.OutcomeUnknownError`."""
+        return self._writes.publish(grants)
 
     def lease_extents(
         self,
@@ -85,44 +125,30 @@ class RemoteIndex(Index):
         exclude: Sequence[int] = (),
         returned: Sequence[int] = (),
     ) -> list[Extent]:
-        body = p.write_lease_request(need, want, count, exclude, returned)
-        r = self.client.call(MsgType.LEASE_EXTENTS, body)
-        extents = p.read_extents(r)
-        r.end()
-        if len(extents) > count:
-            raise ProtocolError(f"{len(extents)} extents leased of {count} asked for")
-        return extents
+        return self._writes.lease_extents(need, want, count, exclude, returned)
 
     def publish_carved(
         self, records: Sequence[CarvedRecord], again: Sequence[bytes] = ()
     ) -> list[CarveOutcome]:
-        r = self.client.call(MsgType.PUBLISH_CARVED, p.write_carved(records, again))
-        outcomes = p.read_carve_outcomes(r)
-        r.end()
-        if len(outcomes) != len(records):
-            raise ProtocolError(f"{len(outcomes)} outcomes for {len(records)} records")
-        return outcomes
+        """As :meth:`publish`, for records laid into extents."""
+        return self._writes.publish_carved(records, again)
 
     def abort(self, grants: Sequence[GrantRef]) -> None:
-        self.client.call(MsgType.ABORT, p.write_grants(grants)).end()
+        self._writes.abort(grants)
 
     def unpublish(self, keys: Sequence[bytes]) -> int:
-        r = self.client.call(MsgType.UNPUBLISH, p.write_keys(keys))
-        removed = r.u32()
-        r.end()
-        return removed
+        parts = self._ask(MsgType.UNPUBLISH, keys, KEY_SIZE, p.write_keys, Reader.u32)
+        return sum(parts)
 
     def drop_invalid(self, records: Sequence[GrantRef]) -> int:
-        r = self.client.call(MsgType.REPORT_INVALID, p.write_grants(records))
-        dropped = r.u32()
-        r.end()
-        return dropped
+        parts = self._ask(MsgType.REPORT_INVALID, records, p.GRANT_SIZE, p.write_grants, Reader.u32)
+        return sum(parts)
 
     def stats(self) -> dict[str, int]:
         return fetch_stats(self.client)["index"]
 
     def touch(self, keys: Sequence[bytes]) -> None:
-        self.client.call(MsgType.TOUCH, p.write_keys(keys)).end()
+        self._ask(MsgType.TOUCH, keys, KEY_SIZE, p.write_keys, _nothing)
 
     def image_location(self) -> ImageLocation | None:
         """Where the controller serves its index's lookup image; None if it serves none
@@ -137,6 +163,53 @@ class RemoteIndex(Index):
         r.end()
         self._leases_extents = location is not None and location.extents
         return location
+
+    def _ask(
+        self,
+        msg_type: MsgType,
+        items: Sequence[T],
+        item_bytes: int,
+        write: Callable[[Sequence[T]], bytes],
+        read: Callable[[Reader], R],
+        *,
+        short: Callable[[R, int], bool] | None = None,
+    ) -> list[R]:
+        """One request of ``items``, in as many chunks as its size needs: each chunk's
+        reply as ``read`` reads it, in order. Raises what a failed chunk failed with.
+        ``short(reply, asked)``: True when the chunks after this one are not needed."""
+        if len(items) <= CHUNK_KEYS and len(items) * item_bytes <= CHUNK_BYTES:
+            timeout = allowance(len(items), self.client.timeout)
+            r = self.client.call(msg_type, write(items), timeout=timeout)
+            value = read(r)
+            r.end()
+            return [value]
+        ranges = chunks(len(items), item_bytes)
+        values: dict[int, R] = {}
+
+        def take(position: int, r: Reader) -> bool:
+            values[position] = value = read(r)
+            r.end()
+            return short is not None and short(value, len(ranges[position]))
+
+        bodies = [write(items[c.start : c.stop]) for c in ranges]
+        with self.client.session() as session:
+            replies = session.exchange(msg_type, bodies, items=len(items), enough=take)
+        out: list[R] = []
+        for position, reply in enumerate(replies):
+            if isinstance(reply, Exception):
+                raise reply
+            if reply is None:
+                raise ControllerUnavailableError(
+                    f"controller {self.client.endpoint} did not answer a {msg_type.name} in time"
+                )
+            out.append(values[position])
+            if short is not None and short(out[-1], len(ranges[position])):
+                break  # chunks after the end of the run are not part of it
+        return out
+
+
+def _nothing(r: Reader) -> None:
+    """A reply with an empty body."""
 
 
 def fetch_stats(client: ControlClient) -> dict[str, dict[str, int]]:

@@ -19,17 +19,19 @@ import numpy as np
 
 from kvfabric._control.client import ControlClient, ControllerRefusedError
 from kvfabric._control.security import Credentials
+from kvfabric._control.session import chunks
 from kvfabric._wire import protocol as p
 from kvfabric._wire.protocol import ErrorCode, MsgType
-from kvfabric.descriptor import Descriptor
-from kvfabric.errors import ConfigError, NameInUseError
+from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
+from kvfabric.errors import ConfigError, ControllerUnavailableError, NameInUseError
 from kvfabric.spi.index import IndexPlugin, NodeInfo
 
 __all__ = ["RESTORE_BATCH", "ControllerMembership", "IndexMembership", "Membership"]
 
 RESTORE_BATCH = 8192
-"""Records per RESTORE call (~620 KiB): a large restore never stalls the index for long, nor
-makes one huge frame."""
+"""Records per ``restore`` call of a shared index: a large restore never stalls the index
+for long. (To a controller they go in the control protocol's chunks, pipelined:
+:mod:`kvfabric._control.session`.)"""
 
 
 class Membership(abc.ABC):
@@ -99,15 +101,24 @@ class ControllerMembership(Membership):
         return registered
 
     def restore(self, info: NodeInfo, records: np.ndarray) -> int:
+        # In chunks, pipelined: the controller serves other requests between them, and a
+        # restore of a million records takes the time its work takes, not a round trip each.
+        head = p.write_node_ref(info.id, info.incarnation)
+        ranges = chunks(len(records), DESCRIPTOR_SIZE)
+        bodies = [
+            head + p.write_descriptor_bytes(len(c), records[c.start : c.stop].tobytes())
+            for c in ranges
+        ]
+        with self._client.session() as session:
+            replies = session.exchange(MsgType.RESTORE, bodies, items=len(records))
         kept = 0
-        for start in range(0, len(records), RESTORE_BATCH):
-            batch = records[start : start + RESTORE_BATCH]
-            body = p.write_node_ref(info.id, info.incarnation) + p.write_descriptor_bytes(
-                len(batch), batch.tobytes()
-            )
-            r = self._client.call(MsgType.RESTORE, body)
-            kept += r.u32()
-            r.end()
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+            if reply is None:
+                raise ControllerUnavailableError(f"{self.where} did not answer a restore in time")
+            kept += reply.u32()
+            reply.end()
         return kept
 
     def restore_done(self, info: NodeInfo) -> None:

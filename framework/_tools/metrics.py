@@ -57,6 +57,9 @@ _GAUGES = frozenset(
         "image_spilled",
         "image_buckets",
         "image_prefault_ms",
+        "reserving_clients",
+        "reserved_grants",
+        "reserved_extents",
     }
 )
 _SHARD = re.compile(r"^shard\d+_")
@@ -72,6 +75,14 @@ _HELP: dict[str, str] = {
     "controller_upkeep_errors": "Upkeep calls into the index (tick, idle) that raised "
     "(logged at most once a minute per step; the controller goes on serving).",
     "controller_nodes_dropped": "Data nodes dropped after missing heartbeats for --node-timeout.",
+    "controller_reserving_clients": "Clients holding grants not yet published or extents.",
+    "controller_reserved_bytes": "Bytes clients hold reserved (grants not yet published, "
+    "extents leased).",
+    "controller_reserved_grants": "Grants made and not yet published, aborted or expired.",
+    "controller_reserved_extents": "Extents leased and not yet given back or expired.",
+    "controller_reservations_refused": "Keys answered NO_SPACE because their client held "
+    "its bound (--max-client-bytes, --max-client-grants).",
+    "controller_extent_leases_refused": "Extents not leased because their client held its bound.",
     # index
     "index_lookups": "Prefix lookups (batched_contains calls that reached the controller).",
     "index_lookup_keys": "Keys asked for in prefix lookups.",

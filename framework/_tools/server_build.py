@@ -17,7 +17,9 @@ import attrs
 from kvfabric._client.shared_index import check_shared
 from kvfabric._control.controller import Controller
 from kvfabric._control.image_process import ImageProcessServer
+from kvfabric._control.reservations import ReservationLimits
 from kvfabric._control.security import Credentials, load_secret
+from kvfabric._control.session import CHUNK_BYTES
 from kvfabric._node.capacity import check_capacity
 from kvfabric._node.membership import ControllerMembership, IndexMembership, Membership
 from kvfabric._node.node import DataNode
@@ -28,9 +30,10 @@ from kvfabric.errors import ConfigError, TransportError
 from kvfabric.spi.backend import BackendConfig
 from kvfabric.spi.index import IndexConfig, IndexPlugin
 from kvfabric.spi.transport import TransportConfig, TransportServer
-from kvfabric.spi.units import parse_duration, parse_size
+from kvfabric.spi.units import format_size, parse_duration, parse_size
 
 __all__ = [
+    "MIN_FRAME",
     "close_servers",
     "controller_from",
     "controller_membership",
@@ -39,10 +42,15 @@ __all__ = [
     "image_servers_from",
     "index_from",
     "index_from_options",
+    "max_frame_from",
     "membership_from",
     "node_from",
     "plugin_settings",
+    "reservation_limits_from",
 ]
+
+MIN_FRAME = 1 << 20
+"""The least ``--max-frame`` taken: every frame a client or node sends fits in it."""
 
 
 def _size(text: str, option: str) -> int:
@@ -135,7 +143,41 @@ def controller_from(
         credentials=credentials,
         image_servers=image_servers,
         freeze_long_lived=True,  # a process of its own (with `serve`, its node's agents)
+        max_frame=max_frame_from(args.max_frame),
+        reservation_limits=reservation_limits_from(args),
     )
+
+
+def max_frame_from(text: str) -> int:
+    """``--max-frame``: at least :data:`MIN_FRAME`, so every legitimate frame fits."""
+    size = _size(text, "--max-frame")
+    if size < MIN_FRAME:
+        raise ConfigError(
+            f"--max-frame: {text} is less than {format_size(MIN_FRAME)}: clients send chunks "
+            f"of up to {format_size(CHUNK_BYTES)} and nodes register and report in frames "
+            "of up to a few hundred KiB"
+        )
+    return size
+
+
+def reservation_limits_from(args: argparse.Namespace) -> ReservationLimits:
+    """``--max-client-bytes`` (a size, or a percentage of the capacity) and
+    ``--max-client-grants``."""
+    text = str(args.max_client_bytes).strip()
+    if text.endswith("%"):
+        try:
+            share = float(text[:-1]) / 100
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= 1:
+            raise ConfigError(
+                f"--max-client-bytes: {text!r} is not a share of the capacity (0% to 100%)"
+            )
+        return ReservationLimits(share=share, grants=args.max_client_grants)
+    size = _size(text, "--max-client-bytes")
+    if size <= 0:
+        raise ConfigError("--max-client-bytes: a size above 0, or a percentage (50%)")
+    return ReservationLimits(bytes=size, grants=args.max_client_grants)
 
 
 def _transport_names(text: str) -> list[str]:

@@ -61,6 +61,16 @@ def _replica_count(text: str) -> int:
     return value
 
 
+def _positive_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"at least 1, got {value}")
+    return value
+
+
 # -- options more than one command takes -------------------------------------------------
 
 
@@ -189,6 +199,29 @@ def _add_controller_options(parser: argparse.ArgumentParser) -> None:
         default="3s",
         metavar="DURATION",
         help="drop a data node silent for this long, and its entries",
+    )
+    parser.add_argument(
+        "--max-frame",
+        default="4MiB",
+        metavar="SIZE",
+        help="the largest control frame taken (at least 1MiB); a larger one is dropped "
+        "unread and its connection closed (clients send large requests in chunks of at "
+        "most 256KiB)",
+    )
+    parser.add_argument(
+        "--max-client-bytes",
+        default="50%",
+        metavar="SIZE|PERCENT",
+        help="what one client may hold reserved (grants not yet published, extents "
+        "leased), as bytes or a share of the store's capacity; its puts past it are "
+        "NO_SPACE, other clients' are not affected",
+    )
+    parser.add_argument(
+        "--max-client-grants",
+        type=_positive_count,
+        default=65536,
+        metavar="N",
+        help="grants not yet published plus extents leased that one client may hold",
     )
 
 

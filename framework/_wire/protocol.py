@@ -38,6 +38,17 @@ it, and for a client on the controller's host the file to map) and answers looku
 the keys it hit there it reports in the background, batched (``TOUCH``), so eviction still
 sees their use.
 
+The requests that reserve space (``ALLOCATE``, ``LEASE_EXTENTS``) begin with the client's
+id (u64), a random number each client draws when it connects: the controller bounds what
+one client holds reserved (:mod:`kvfabric._control.reservations`). ``ABORT`` answers with
+a flag per grant: set where the grant's key is published with that grant's version (the
+publish was served before the abort), clear where it is not (the grant, if it was still
+pending, is now released): a writer that got no reply to its publish asks this way what
+became of it.
+
+A large request is sent as several frames of bounded size (:mod:`kvfabric._control.session`);
+each is a request of its own, served whole or not at all.
+
 A writer may instead lease *extents* (``LEASE_EXTENTS``: runs of regions, one per data node,
 with versions set aside for each) and lay records into them itself; one ``PUBLISH_CARVED``
 then publishes a batch of them (extent, key, offset, length, version, CRC each), so a put
@@ -78,6 +89,9 @@ _KEY_DTYPE = np.dtype(f"V{KEY_SIZE}")
 """A key as numpy sees raw bytes: ``tolist()`` gives ``bytes`` (``S`` would strip NULs)."""
 
 __all__ = [
+    "ALLOCATION_REQUEST_SIZE",
+    "CARVED_SIZE",
+    "GRANT_SIZE",
     "HEADER",
     "MAGIC",
     "MAX_BATCH",
@@ -91,12 +105,14 @@ __all__ = [
     "MsgType",
     "decode_header",
     "encode",
+    "read_client",
     "read_copies",
     "read_deregister",
     "read_heartbeat",
     "read_image_location",
     "read_node_ref",
     "read_restore",
+    "write_client",
     "write_copies",
     "write_deregister",
     "write_descriptor_bytes",
@@ -108,8 +124,10 @@ __all__ = [
 
 MAGIC = b"KVFC"
 # 3: extents (LEASE_EXTENTS, PUBLISH_CARVED; the image location says whether the index
-# leases them). A frame of another version is refused with BAD_VERSION, naming both.
-PROTOCOL_VERSION = 3
+# leases them). 4: ALLOCATE and LEASE_EXTENTS name the client reserving; ABORT's reply says
+# per grant whether it is published. A frame of another version is refused with
+# BAD_VERSION, naming both.
+PROTOCOL_VERSION = 4
 REPLY_BIT = 0x8000
 MAX_BATCH = 1 << 20
 HEADER = struct.Struct("<4sHHQQQ")
@@ -187,6 +205,15 @@ def decode_header(frame: bytes) -> tuple[Header, Reader]:
 
 
 # -- bodies --------------------------------------------------------------------------------
+
+
+def write_client(client: int) -> bytes:
+    """The id of the client that reserves (the head of ``ALLOCATE`` and ``LEASE_EXTENTS``)."""
+    return struct.pack("<Q", client)
+
+
+def read_client(r: Reader) -> int:
+    return r.u64()
 
 
 def write_keys(keys: Sequence[bytes]) -> bytes:
@@ -290,6 +317,7 @@ def read_flags(r: Reader) -> list[bool]:
 
 
 _ALLOC_REQUEST = struct.Struct("<32sQ")
+ALLOCATION_REQUEST_SIZE = _ALLOC_REQUEST.size
 
 
 def write_allocation_requests(requests: Sequence[AllocationRequest]) -> bytes:
@@ -379,6 +407,7 @@ def _allocation(
 _LEASE_REQUEST = struct.Struct("<QQI")
 _EXTENT = struct.Struct("<QIIQQQQQIII")
 _CARVED = struct.Struct("<Q32sQQQI")
+CARVED_SIZE = _CARVED.size
 MAX_LEASE_LIST = 1 << 10
 """Extents one lease request may ask for or give back, and nodes it may exclude."""
 
@@ -479,6 +508,7 @@ def read_carve_outcomes(r: Reader) -> list[CarveOutcome]:
 
 
 _GRANT = struct.Struct("<32sQI")
+GRANT_SIZE = _GRANT.size
 
 
 def write_grants(grants: Sequence[GrantRef]) -> bytes:

@@ -2,8 +2,10 @@
 
 Every change to an arena or to the registry is one function of ``redis_functions.lua``.
 :class:`ArenaCalls` makes those calls (``FCALL_RO`` for reads, which replicate nothing),
-groups a batch's items by arena so that each arena gets one call however many keys it holds,
-and runs a batch's calls as one round over the masters
+groups a batch's items by arena so that each arena gets one call per :data:`CALL_ITEMS` of
+its keys (a call runs whole inside Redis, which serves no one else meanwhile: a batch of a
+hundred thousand keys is many bounded calls in the same pipelines, not one long one), and
+runs a batch's calls as one round over the masters
 (:class:`~kvfabric.indexes.redis_shards.ShardSet`). It decides what an outage means for a
 round: some masters down is the caller's business (misses, no grant), all of them down
 raises; a function failing inside Redis is a bug and always raises.
@@ -19,7 +21,12 @@ from kvfabric.indexes.redis_layout import Arena, Ring, arena_prefix, key_slot, r
 from kvfabric.indexes.redis_shards import Call, Round, ShardSet
 from kvfabric.spi import Counters
 
-__all__ = ["ArenaCalls", "Group", "ok", "raise_unexpected"]
+__all__ = ["CALL_ITEMS", "ArenaCalls", "Group", "ok", "raise_unexpected"]
+
+CALL_ITEMS = 1024
+"""Items (keys) one function call takes at most: Redis runs a call whole, serving no other
+client meanwhile, so a call's time stays bounded whatever the batch (more calls go in the
+same pipeline: no round trip more)."""
 
 Group: TypeAlias = tuple[Arena, list[int], list[Any]]
 """A batch's items for one arena: the arena, the items' positions, their arguments joined."""
@@ -103,20 +110,32 @@ class ArenaCalls:
 
     @staticmethod
     def by_arena(items: Iterable[tuple[Arena, list[Any]]]) -> list[Group]:
-        """Items grouped by arena: (arena, item positions, concatenated arguments)."""
-        groups: dict[int, Group] = {}
+        """Items grouped by arena: (arena, item positions, concatenated arguments), an
+        arena's items in groups of at most :data:`CALL_ITEMS`."""
+        groups: list[Group] = []
+        current: dict[int, Group] = {}
         for position, (arena, args) in enumerate(items):
-            group = groups.get(arena.id)
-            if group is None:
-                group = groups[arena.id] = (arena, [], [])
+            group = current.get(arena.id)
+            if group is None or len(group[1]) >= CALL_ITEMS:
+                group = current[arena.id] = (arena, [], [])
+                groups.append(group)
             group[1].append(position)
             group[2].extend(args)
-        return list(groups.values())
+        return groups
 
     @staticmethod
     def group_keys(ring: Ring, keys: Sequence[bytes]) -> list[Group]:
-        """``keys`` by the arena each belongs to (the ring must not be empty)."""
-        return [(arena, where, [keys[i] for i in where]) for arena, where in ring.group(keys)]
+        """``keys`` by the arena each belongs to (the ring must not be empty), in groups of
+        at most :data:`CALL_ITEMS`."""
+        return [
+            (
+                arena,
+                where[start : start + CALL_ITEMS],
+                [keys[i] for i in where[start : start + CALL_ITEMS]],
+            )
+            for arena, where in ring.group(keys)
+            for start in range(0, len(where), CALL_ITEMS)
+        ]
 
 
 def ok(value: Any) -> bool:

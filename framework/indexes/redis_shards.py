@@ -308,17 +308,26 @@ class ShardSet:
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 self._failed(shard, indexes, values, durable, exc)
         for shard, indexes, commands, wait, connection in sent:
+            results: list[Any] = []
             try:
-                results = self._receive(shard, connection, len(commands))
+                self._receive(shard, connection, len(commands), results)
                 if any(_missing_function(r) for r in results):
                     # Nothing ran (every call is refused the same way): load, run again.
                     with self._lock:
                         self.round_trips += 1
                         shard.round_trips += 1
                     self._load(shard)
-                    results = self._receive(shard, self._send(shard, commands), len(commands))
+                    results = []
+                    self._receive(shard, self._send(shard, commands), len(commands), results)
             except (RedisConnectionError, RedisTimeoutError) as exc:
-                self._failed(shard, indexes, values, durable, exc)
+                # The calls answered before the failure stand (what they did is known); the
+                # others failed. A WAIT not answered leaves none of them known durable.
+                answered = min(len(results), len(indexes)) if not wait else 0
+                for i, result in zip(indexes[:answered], results, strict=False):
+                    values[i] = _map_error(shard, result)
+                self._failed(shard, indexes[answered:], values, durable, exc)
+                for i in indexes[:answered]:
+                    durable[i] = True
                 continue
             acked = results[-1] if wait else None
             for i, result in zip(indexes, results, strict=False):
@@ -358,10 +367,10 @@ class ShardSet:
         return connection
 
     @staticmethod
-    def _receive(shard: _Shard, connection: Any, count: int) -> list[Any]:
-        """The replies of a pipeline sent on ``connection`` (an error reply as its exception)."""
+    def _receive(shard: _Shard, connection: Any, count: int, results: list[Any]) -> None:
+        """The replies of a pipeline sent on ``connection`` (an error reply as its
+        exception), into ``results`` as they come: a failure leaves those read there."""
         pool = shard.client.connection_pool
-        results: list[Any] = []
         try:
             for _ in range(count):
                 try:
@@ -374,7 +383,6 @@ class ShardSet:
             raise
         finally:
             pool.release(connection)
-        return results
 
     def execute(self, slot: int, *args: Any) -> Any:
         """One command, for the rare paths (registration, restore); raises what it returns."""

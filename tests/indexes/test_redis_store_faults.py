@@ -24,7 +24,7 @@ from redis_servers import RedisDeployment
 
 import kvfabric
 from kvfabric import PutOutcome
-from kvfabric._client import remote
+from kvfabric._client import shared_index
 from kvfabric._client.shared_index import IndexUpkeep
 from kvfabric._client.store import Store
 from kvfabric.errors import KvfabricError
@@ -279,7 +279,7 @@ def test_nodes_back_under_new_incarnations_before_the_first_tick_are_relearned(
         upkeeps.append(IndexUpkeep(index, store, interval=None))
         return upkeeps[-1]
 
-    monkeypatch.setattr(remote, "IndexUpkeep", upkeep_run_by_the_test)
+    monkeypatch.setattr(shared_index, "IndexUpkeep", upkeep_run_by_the_test)
     with Cluster(nodes=2, transports=("tcp",), capacity="64MiB", redis=redis_single.url) as nodes:
         keys = chain_keys(list(range(64)), 1, namespace=uuid.uuid4().bytes)
         values = [os.urandom(1000) for _ in keys]

@@ -4,9 +4,11 @@ vLLM asks once per new request (again if it could not schedule it) how many of t
 it has not computed are stored elsewhere: :meth:`SchedulerSide.get_num_new_matched_tokens`
 answers with one ``batched_contains`` (one control RPC) over the keys of every rank, and
 keeps the descriptors that lookup resolved. Once vLLM has allocated blocks for the request,
-the hits become a load, and each step :meth:`SchedulerSide.build_connector_meta` hands the
-workers the loads and the blocks that became full (saves), skipping what is known to be
-stored. Load errors the workers report make those blocks eligible for saving again.
+the hits become a load, which the workers run while vLLM keeps the request waiting; each
+step :meth:`SchedulerSide.build_connector_meta` hands the workers the new loads and the
+blocks that became full (saves), skipping what is known to be stored. Load errors the
+workers report make those blocks eligible for saving again, and the request is not offered
+kvfabric's blocks again (vLLM recomputes what failed instead of waiting for it twice).
 
 The start-up checks of this role are here too: block hashes that cannot agree across
 instances are warned about, and vLLM's load-failure policy is set to recompute.
@@ -24,6 +26,7 @@ import attrs
 import kvfabric
 from kvfabric.adapters.vllm_keys import KeySpace, Rank
 from kvfabric.adapters.vllm_metadata import KVFabricHandshake, KVFabricMetadata, Transfer
+from kvfabric.adapters.vllm_stats import IntervalStats, KVFabricConnectorStats
 from kvfabric.spi import Counters
 
 __all__ = [
@@ -40,9 +43,15 @@ SCHEDULER_COUNTERS = (
     "lookup_blocks",
     "lookup_hit_blocks",
     "lookup_control_rpcs",
+    "hit_blocks",
+    "miss_blocks",
     "invalid_blocks_reported",
 )
-"""What the scheduler side counts (``KVFabricConnector.counters()`` on the scheduler)."""
+"""What the scheduler side counts (``KVFabricConnector.counters()`` on the scheduler).
+
+``lookup_*`` count every lookup, also the repeats vLLM makes for a request it could not
+schedule yet; ``hit_blocks`` and ``miss_blocks`` count each admitted request once: blocks
+it loads from kvfabric, and blocks it looked up that kvfabric did not have."""
 
 
 def warn_if_hashes_unshared(hash_algo: str) -> None:
@@ -85,6 +94,8 @@ class _Lookup:
 
     local_blocks: int
     hit_blocks: int
+    asked_blocks: int = 0
+    """Blocks looked up (beyond the local ones)."""
     descriptors: dict[Rank, list[bytes]] = attrs.Factory(dict)
     """Per rank, the descriptors of the hit blocks, in block order."""
 
@@ -122,10 +133,13 @@ class SchedulerSide:
         self._ranks_expected = ranks_expected
         self._block_ids_of = block_ids_of
         self.counters = Counters(SCHEDULER_COUNTERS)
+        self._stats = IntervalStats(self.counters)
         self._layouts: dict[Rank, str] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[Transfer] = []
+        self._load_failed: set[str] = set()
+        """Requests some of whose loaded blocks failed: not offered kvfabric's blocks again."""
         self._warned_no_layouts = False
 
     # -- keys ----------------------------------------------------------------------------
@@ -172,7 +186,8 @@ class SchedulerSide:
 
         Only whole blocks count, and at least one token is left to compute (vLLM needs a
         token to sample from). Asking again for the same request asks kvfabric again and
-        replaces the previous answer; nothing else changes.
+        replaces the previous answer; nothing else changes. A request whose load failed
+        is answered 0 (vLLM asks again when it recomputes from the first block).
         """
         bs = self._block_size
         local = num_computed_tokens // bs
@@ -182,7 +197,8 @@ class SchedulerSide:
         if self._store is not None and not self._layouts and not self._warned_no_layouts:
             self._warned_no_layouts = True
             log.warning("KVFabricConnector: no worker reported its KV layout: lookups disabled")
-        if self._store is None or not self._layouts or usable <= local or skip:
+        failed = request.request_id in self._load_failed
+        if self._store is None or not self._layouts or usable <= local or skip or failed:
             self._lookups[request.request_id] = _Lookup(local, 0)
             return 0
         keys = self._lookup_keys(request, local, usable)
@@ -196,7 +212,10 @@ class SchedulerSide:
             lookup_control_rpcs=self._store.stats()["control_rpcs"] - before,
         )
         self._lookups[request.request_id] = _Lookup(
-            local, hits, self._hit_descriptors(keys[: hits * len(self._layouts)])
+            local,
+            hits,
+            usable - local,
+            self._hit_descriptors(keys[: hits * len(self._layouts)]),
         )
         return (local + hits) * bs - num_computed_tokens if hits else 0
 
@@ -217,17 +236,26 @@ class SchedulerSide:
     def update_state_after_alloc(
         self, request: Any, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
-        """vLLM allocated ``block_ids`` (in block order) for ``request``; plan its load."""
+        """vLLM allocated ``block_ids`` (in block order) for ``request``; plan its load.
+
+        Called again, without a lookup, once the request's load is done (vLLM allocates
+        its remaining blocks then): nothing changes.
+        """
         lookup = self._lookups.pop(request.request_id, None)
         if lookup is None:
+            if request.request_id in self._requests:
+                return  # after its load, or resumed: its state stands
             # Resumed without a lookup: what it computed before was offered for saving then.
             done = request.num_computed_tokens // self._block_size
             lookup = _Lookup(done, 0)
+        loaded = max(num_external_tokens, 0) // self._block_size
+        if lookup.asked_blocks:
+            self.counters.update(hit_blocks=loaded, miss_blocks=lookup.asked_blocks - loaded)
         state = _RequestState(request, stored_upto=lookup.local_blocks + lookup.hit_blocks)
         self._requests[request.request_id] = state
-        if num_external_tokens <= 0:
+        if not loaded:
             return
-        end = lookup.local_blocks + num_external_tokens // self._block_size
+        end = lookup.local_blocks + loaded
         state.load_start = lookup.local_blocks
         state.load_block_ids = tuple(block_ids[lookup.local_blocks : end])
         count = end - lookup.local_blocks
@@ -280,16 +308,22 @@ class SchedulerSide:
         self.counters.add("invalid_blocks_reported", len(invalid_block_ids))
         # vLLM recomputes from the first bad block; offer the recomputed blocks for saving
         # again (the worker dropped the bad records, and dedup makes intact ones free).
-        for state in self._requests.values():
+        for req_id, state in self._requests.items():
             for i, block_id in enumerate(state.load_block_ids):
                 if block_id in invalid_block_ids:
                     state.stored_upto = min(state.stored_upto, state.load_start + i)
+                    self._load_failed.add(req_id)
                     break
 
     def request_finished(self, req_id: str) -> None:
         """Forget the request (its saves were copied out when they were issued)."""
         self._requests.pop(req_id, None)
         self._lookups.pop(req_id, None)
+        self._load_failed.discard(req_id)
+
+    def take_stats(self) -> KVFabricConnectorStats | None:
+        """What the lookups found since the last call, as vLLM's connector stats."""
+        return self._stats.take()
 
     def shutdown(self) -> None:
         """Close the store."""

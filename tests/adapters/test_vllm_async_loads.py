@@ -71,9 +71,7 @@ def keys_of(transfer: Transfer) -> list[bytes]:
 
 
 def transfer(req_id: str, block_ids: tuple[int, ...], hashes: Sequence[bytes]) -> Transfer:
-    return Transfer(
-        req_id=req_id, cache_salt=None, block_hashes=tuple(hashes), block_ids=block_ids
-    )
+    return Transfer(req_id=req_id, cache_salt=None, block_hashes=tuple(hashes), block_ids=block_ids)
 
 
 class Loads:
@@ -88,9 +86,7 @@ class Loads:
         hashes = HASHES + OTHER_HASHES
         values = source.new_values(len(hashes))
         source.gather(list(range(len(hashes))), values)
-        self.writer.batched_put(
-            keys_of(transfer("w", (), hashes)), [row.numpy() for row in values]
-        )
+        self.writer.batched_put(keys_of(transfer("w", (), hashes)), [row.numpy() for row in values])
         self.caches = paged_cache(seed=None)
         self.pages = PagedKV(self.caches, NUM_BLOCKS)
         self.store = GatedStore(kvfabric.connect(url), keys_of(transfer("g", (), HASHES)))

@@ -73,8 +73,10 @@ class EngineProcess:
         *,
         multiprocessing: bool = False,
         extra: dict[str, Any] | None = None,
+        module: str | None = None,
     ) -> None:
-        """``extra``: more ``kv_connector_extra_config`` (default: ``TEST_EXTRA``)."""
+        """``extra``: more ``kv_connector_extra_config`` (default: ``TEST_EXTRA``);
+        ``module``: the connector's module (default: kvfabric's)."""
         self.name = name
         self.log = logs / f"engine-{name}.log"
         self._stderr = self.log.open("w")
@@ -83,6 +85,7 @@ class EngineProcess:
             "model": str(model),
             "multiprocessing": multiprocessing,
             "extra": TEST_EXTRA if extra is None else extra,
+            **({"module": module} if module else {}),
         }
         self._process = subprocess.Popen(
             [sys.executable, str(ENGINE), json.dumps(config)],

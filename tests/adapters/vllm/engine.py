@@ -4,13 +4,15 @@
     python engine.py CONFIG_JSON             start an engine, then serve requests
 
 CONFIG_JSON: ``{"url": kvfabric URL, "model": DIR, "multiprocessing": false, "extra": {more
-kv_connector_extra_config}}``.
+kv_connector_extra_config}, "module": the connector's module (default kvfabric.adapters.vllm)}``.
 
 Each request is one JSON line on stdin; each reply is one line on stdout starting with
 ``REPLY `` (vLLM logs to stderr, and anything else on stdout is ignored by the test).
 Requests: ``generate`` (token ids in, greedy tokens, logprobs, cached tokens, seconds and
 what both connector instances counted out), ``race`` (two prompts in one batch, the second
-added once the first is waiting for its load: which finished first), ``keys`` (the kvfabric
+added once the first is waiting for its load: which finished first), ``batch`` (requests
+added at given steps, each one's time to first token, finish and longest gap between
+tokens; for benchmarks), ``keys`` (the kvfabric
 keys of a prompt's full blocks, computed the way the connector computes them), ``flush``
 (wait for background saves), ``stats`` (what vLLM's stat loggers got from the connector
 since the last ``stats``: its "KV Transfer metrics" log lines and its Prometheus metrics),
@@ -83,7 +85,7 @@ class Engine:
 
         kv_transfer_config = {
             "kv_connector": "KVFabricConnector",
-            "kv_connector_module_path": "kvfabric.adapters.vllm",
+            "kv_connector_module_path": config.get("module", "kvfabric.adapters.vllm"),
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"url": config["url"], **config.get("extra", {})},
         }
@@ -209,6 +211,61 @@ class Engine:
             step()
         return {"order": order, **outputs, "counters": self._counted(before)}
 
+    def batch(self, request: dict[str, Any]) -> dict[str, Any]:
+        """``requests`` (generate requests, each with ``at_step``: added before that step of
+        this batch, 0 first) run together; per request the seconds from the batch's start to
+        when it was added, to its first token and to its end, and its longest gap between two
+        tokens (how long other work stalled it)."""
+        if request.get("reset_prefix_cache"):
+            assert self.llm.reset_prefix_cache()
+        engine = self.llm.llm_engine
+        self.races += 1
+        pending = sorted(enumerate(request["requests"]), key=lambda item: item[1]["at_step"])
+        names: dict[str, int] = {}
+        times: dict[int, list[float]] = {}
+        added: dict[int, float] = {}
+        finished: dict[int, float] = {}
+        results: dict[int, dict[str, Any]] = {}
+        before = self.counters()
+        started = time.perf_counter()
+        steps = 0
+        while len(finished) < len(request["requests"]):
+            while pending and pending[0][1]["at_step"] <= steps:
+                i, spec = pending.pop(0)
+                req_id = engine.add_request(
+                    f"batch{self.races}-{i}", *self._prompt_and_params(spec)
+                )
+                names[req_id] = i
+                added[i] = time.perf_counter() - started
+                times[i] = []
+            outputs = engine.step()
+            steps += 1
+            now = time.perf_counter() - started
+            for output in outputs:
+                i = names[output.request_id]
+                produced = len(output.outputs[0].token_ids)
+                times[i] += [now] * (produced - len(times[i]))
+                if output.finished:
+                    finished[i] = now
+                    results[i] = self._result(output)
+        return {
+            "seconds": time.perf_counter() - started,
+            "steps": steps,
+            "requests": [
+                {
+                    "added": added[i],
+                    "first_token": times[i][0] - added[i],
+                    "finished": finished[i] - added[i],
+                    "max_gap": max(
+                        (b - a for a, b in zip(times[i], times[i][1:], strict=False)), default=0.0
+                    ),
+                    **results[i],
+                }
+                for i in range(len(request["requests"]))
+            ],
+            "counters": self._counted(before),
+        }
+
     def stats(self, request: dict[str, Any]) -> dict[str, Any]:
         """What vLLM's stat loggers got from the connector since the last ``stats``: each
         "KV Transfer metrics" line as a dict, and kvfabric's Prometheus metrics (counters
@@ -228,11 +285,13 @@ class Engine:
             labels = ",".join(
                 f"{k}={v}" for k, v in sorted(metric.labels.items()) if k in ("result", "outcome")
             )
-            name = f"{metric.name}{{{labels}}}" if labels else metric.name
+            # Named as /metrics shows them: a counter's samples end in _total.
             if isinstance(metric, Counter):
+                name = f"{metric.name}_total" + (f"{{{labels}}}" if labels else "")
                 metrics[name] = metrics.get(name, 0) + metric.value
             elif isinstance(metric, Histogram):
-                metrics[name + "_count"] = metrics.get(name + "_count", 0) + metric.count
+                name = f"{metric.name}_count"
+                metrics[name] = metrics.get(name, 0) + metric.count
         return {"lines": lines, "metrics": metrics}
 
     def _request(self, request: dict[str, Any]) -> Any:

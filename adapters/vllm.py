@@ -58,6 +58,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from kvfabric.adapters.vllm_keys import KeySpace, Rank, block_keys, engine_parts
 from kvfabric.adapters.vllm_metadata import KVFabricHandshake, KVFabricMetadata
 from kvfabric.adapters.vllm_scheduler import (
+    DEFAULT_LOOKUP_WAIT,
     SchedulerSide,
     require_recompute_policy,
     warn_if_hashes_unshared,
@@ -134,6 +135,9 @@ class KVFabricConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
                 block_size=block_size,
                 ranks_expected=parallel.pipeline_parallel_size * parallel.tensor_parallel_size,
                 block_ids_of=self._block_ids_of,
+                lookup_wait=_seconds(
+                    extra.get("lookup_wait", DEFAULT_LOOKUP_WAIT), "lookup_wait", zero=True
+                ),
             )
         else:
             self._worker = WorkerSide(
@@ -141,7 +145,7 @@ class KVFabricConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
                 store=_open(url) if enabled else None,
                 enabled=enabled,
                 max_pending_save_bytes=int(extra.get("max_pending_save_bytes", 1 << 30)),
-                load_timeout=_positive_seconds(
+                load_timeout=_seconds(
                     extra.get("load_timeout", DEFAULT_LOAD_TIMEOUT), "load_timeout"
                 ),
             )
@@ -204,9 +208,10 @@ class KVFabricConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        # Hits load asynchronously: the request waits, the batch runs.
+        # Hits load asynchronously: the request waits, the batch runs. None: the lookup is
+        # still running (vLLM asks again at its next step).
         tokens = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-        return tokens, tokens > 0
+        return tokens, bool(tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -334,15 +339,17 @@ def _supported(kv_cache_config: KVCacheConfig, block_size: int) -> bool:
     return True
 
 
-def _positive_seconds(value: Any, name: str) -> float:
-    """``value`` as seconds (a number, or a duration such as "500ms"); ConfigError if not > 0."""
+def _seconds(value: Any, name: str, *, zero: bool = False) -> float:
+    """``value`` as seconds (a number, or a duration such as "500ms"): more than 0, or at
+    least 0 with ``zero``; ConfigError if not."""
     try:
         seconds = parse_duration(value)
     except (ConfigError, TypeError):
         seconds = -1.0
-    if not seconds > 0:
+    if seconds < 0 or (seconds == 0 and not zero):
+        least = "a duration of 0 or more" if zero else "a positive duration"
         raise ConfigError(
-            f"KVFabricConnector: {name} must be a positive duration (2, 2s, 500ms), not {value!r}"
+            f"KVFabricConnector: {name} must be {least} (2, 2s, 500ms), not {value!r}"
         )
     return seconds
 

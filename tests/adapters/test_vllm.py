@@ -57,8 +57,9 @@ K = 4
 PARTIAL = SHARED[: K * BLOCK] + prompt(2, 8 * BLOCK + 3)  # shares only the first K blocks
 LONG = prompt(3, 64 * BLOCK + 5)  # for the time saved on a shared prefix
 CORRUPTED = 5  # index of the block whose record is corrupted
-TEST_EXTRA = {"load_timeout": "120s"}
-"""A load deadline no busy machine reaches: a healthy load here must land, never time out."""
+TEST_EXTRA = {"load_timeout": "120s", "lookup_wait": "60s"}
+"""A load deadline and a wait for lookups that no busy machine reaches: a healthy load here
+must land, never time out, and a lookup be answered when asked."""
 
 
 class EngineProcess:

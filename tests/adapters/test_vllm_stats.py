@@ -1,17 +1,15 @@
-"""The vLLM connector's statistics in vLLM's format, and the scheduler side of async loads.
+"""The vLLM connector's statistics in vLLM's format, without an engine.
 
 The stats objects are driven the way vLLM drives them: each role's ``take_stats`` per step,
 ``to_dict`` across processes and ``build_kv_connector_stats`` back, ``aggregate`` over roles
 and steps, ``reduce`` for the log line, and ``KVFabricPromMetrics.observe`` into a
-Prometheus registry of the test's own. The scheduler side runs on real vLLM ``Request`` s
-against an embedded store (``test_vllm_scheduler``'s harness).
+Prometheus registry of the test's own.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -22,18 +20,10 @@ if not os.environ.get("KVFABRIC_REQUIRE_VLLM"):  # tox -e vllm sets it: fail, ne
     pytest.importorskip("vllm.v1", reason="needs vLLM: tox -e vllm")
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from test_vllm_scheduler import BS, Harness, step, vllm_request
 
 from kvfabric.adapters.vllm import KVFabricConnector
 from kvfabric.adapters.vllm_stats import COUNTED, IntervalStats, KVFabricPromMetrics
 from kvfabric.spi import Counters
-
-
-@pytest.fixture
-def harness() -> Iterator[Harness]:
-    h = Harness()
-    yield h
-    h.close()
 
 
 def test_interval_stats_are_the_counters_difference_since_the_last_take() -> None:
@@ -130,42 +120,3 @@ def test_prometheus_metrics_follow_the_naming_conventions_and_count_exactly() ->
     assert value("vllm:kvfabric_load_time_seconds_count") == 4
     assert value("vllm:kvfabric_load_time_seconds_bucket", le="0.005") == 2
     assert value("vllm:kvfabric_load_time_seconds_sum") == pytest.approx(0.406)
-
-
-# -- the scheduler side of asynchronous loads ------------------------------------------------
-
-
-def test_hits_and_misses_are_counted_per_block_once_per_admitted_request(
-    harness: Harness,
-) -> None:
-    request = vllm_request(10 * BS + 2)  # 10 full blocks and a partial one
-    harness.store(request, range(0, 6))
-    for _ in range(3):  # vLLM may ask again while it cannot schedule the request
-        assert harness.side.get_num_new_matched_tokens(request, 0) == 6 * BS
-    assert harness.side.take_stats() is None  # nothing admitted yet
-    harness.admit(request, 0, list(range(100, 111)))
-    stats = harness.side.take_stats()
-    assert stats is not None
-    assert stats.data == {"hit_blocks": 6, "miss_blocks": 4}
-    # Once its load is done vLLM allocates the rest and tells the connector again.
-    harness.side.update_state_after_alloc(request, list(range(100, 111)), 0)
-    assert harness.side.take_stats() is None
-    meta = harness.side.build_connector_meta(
-        step(cached=[request], scheduled={request.request_id: 4 * BS + 2})
-    )
-    (save,) = meta.saves  # saved from where the load ended
-    assert save.block_ids == (106, 107, 108, 109)
-
-
-def test_a_request_whose_load_failed_is_not_offered_kvfabrics_blocks_again(
-    harness: Harness,
-) -> None:
-    request = vllm_request(10 * BS + 2)
-    harness.store(request, range(0, 6))
-    harness.admit(request, 0, list(range(100, 111)))
-    harness.side.build_connector_meta(step())
-    harness.side.update_connector_output({100})  # its first block failed (or timed out)
-    # vLLM freed its blocks and asks again as for a new request: recompute, don't wait twice.
-    assert harness.side.get_num_new_matched_tokens(request, 0) == 0
-    other = vllm_request(10 * BS + 2)  # same prompt, another request: still a hit
-    assert harness.side.get_num_new_matched_tokens(other, 0) == 6 * BS

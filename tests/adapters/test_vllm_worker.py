@@ -253,6 +253,7 @@ def test_lookup_and_load_of_a_request_cost_no_control_rpc_in_all(
         block_size=BLOCK,
         ranks_expected=1,
         block_ids_of=lambda _: [],
+        lookup_wait=60.0,  # an answer, however busy the machine
     )
     scheduler.set_layouts({(0, 0): handshake})
     try:

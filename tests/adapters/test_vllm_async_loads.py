@@ -211,3 +211,22 @@ def test_a_load_still_waiting_for_a_thread_at_its_deadline_never_reads() -> None
         assert made.counters.snapshot()["load_timeouts"] == 5
     finally:
         made.close()
+
+
+def test_loads_of_different_sizes_one_after_another_land_byte_exact(loads: Loads) -> None:
+    # Staging buffers of several sizes are kept and reused: each load takes one that fits.
+    plan = [
+        ((0,), (0,)),
+        ((1, 2, 3, 4), (0, 1, 2, 3)),
+        ((4, 5, 6, 7), (3, 2, 1, 0)),
+        ((5,), (1,)),
+        ((2, 3), (2, 3)),
+    ]
+    for n, (block_ids, sources) in enumerate(plan):
+        hashes = [OTHER_HASHES[i] for i in sources]
+        loads.loads.submit(transfer(f"r{n}", block_ids, hashes))
+        assert loads.poll_until(f"r{n}") == set()
+        for block_id, source in zip(block_ids, sources, strict=True):
+            ours, theirs = loads.block(block_id), loads.source_block(4 + source)
+            assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    assert loads.counters.snapshot()["loaded_blocks"] == 12

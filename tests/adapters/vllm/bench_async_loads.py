@@ -76,18 +76,18 @@ def generate(engine: EngineProcess, tokens: list[int], **options: Any) -> float:
     return float(engine.generate(tokens, max_tokens=1, timeout=600, **options)["seconds"])
 
 
-def load_seconds(engine: EngineProcess) -> float:
-    """The load time vLLM's KV Transfer metrics report since the last call (async only)."""
+def kv_metrics(engine: EngineProcess) -> dict[str, float]:
+    """vLLM's KV Transfer metrics since the last call (the async connector reports them)."""
     lines = engine.call("stats")["lines"]
-    return lines[-1].get("load_avg_ms", float("nan")) / 1e3 if lines else float("nan")
+    return lines[-1] if lines else {}
 
 
 def lone(b: EngineProcess, i: int) -> dict[str, float]:
-    load_seconds(b)
+    kv_metrics(b)
     hit = generate(b, LONG[0], reset_prefix_cache=True)
     return {
         "lone hit TTFT": hit,
-        "lone hit: the load (read + copy)": load_seconds(b),
+        "lone hit: the load (read + copy)": kv_metrics(b).get("load_avg_ms", float("nan")) / 1e3,
         "local hit TTFT": generate(b, LONG[0]),
         # A salt of this engine's own round: nothing stored under it.
         "recompute TTFT": generate(b, LONG[0], cache_salt=f"{b.name}-{i}"),
@@ -180,6 +180,10 @@ def main() -> None:
                     turns = list(engines.items())
                     for name, b in turns if i % 2 else reversed(turns):
                         rounds[name].append({**lone(b, i), **beside_a_decode(b), **frozen(b, c)})
+                        # Loads that failed would be recomputes in the figures: say so.
+                        failed = kv_metrics(b).get("load_error_blocks", 0)
+                        if name == "async" and failed != len(FROZEN) // BLOCK:
+                            print(f"round {i}: {failed} blocks failed to load, not only the frozen")
             finally:
                 for engine in engines.values():
                     engine.close()

@@ -57,6 +57,8 @@ LOAD_COUNTERS = (
 
 _KEPT_STAGING_BUFFERS = 4
 """Staging buffers kept for reuse (a fresh one costs page faults, or pinning on a GPU host)."""
+_KEPT_STAGING_BYTES = 1 << 30
+"""Bytes of staging buffers kept for reuse, at most (larger ones are freed after use)."""
 
 
 class _State(enum.Enum):
@@ -104,6 +106,9 @@ class _StagingBuffers:
             if len(self._free) > _KEPT_STAGING_BUFFERS:
                 smallest = min(range(len(self._free)), key=lambda i: self._free[i].shape[0])
                 del self._free[smallest]
+            while sum(b.numel() for b in self._free) > _KEPT_STAGING_BYTES:
+                largest = max(range(len(self._free)), key=lambda i: self._free[i].shape[0])
+                del self._free[largest]
 
 
 class AsyncLoads:

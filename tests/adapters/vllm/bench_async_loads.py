@@ -10,7 +10,8 @@ git ``REF`` (default: the merge base with ``main``), whose loads run inside
 ``start_load_kv``, before the step's forward. Both B engines run side by side and take
 turns, scenario by scenario, so that the machine's load falls on both alike; neither saves
 (``max_pending_save_bytes`` 0), so no background store competes with what is measured.
-Prints the median over ``--repeat`` rounds, per connector:
+Prints the median over ``--repeat`` rounds, per connector, then what compares each engine
+with itself (two engines on a shared machine can differ in speed by a factor):
 
 - ``lone hit``: time to first token of a 2,053-token prompt whose 64 full blocks B loads,
   alone in the engine, and (async) the load itself, from vLLM's KV Transfer metrics;
@@ -189,10 +190,29 @@ def main() -> None:
                     engine.close()
     print(f"\nsync: the connector at {ref[:12]}; async: this checkout's (load_timeout 1 s)")
     print(f"median of {args.repeat} rounds, the two engines taking turns")
-    print(f"{'':40s} {'sync':>10s} {'async':>10s}")
-    for what in rounds["sync"][0]:
-        row = [statistics.median(r[what] for r in rounds[name]) * 1e3 for name in rounds]
-        print(f"{what:40s} {row[0]:8.1f}ms {row[1]:8.1f}ms")
+    print(f"{'':44s} {'sync':>10s} {'async':>10s}")
+    medians = {
+        name: {what: statistics.median(r[what] for r in runs) for what in runs[0]}
+        for name, runs in rounds.items()
+    }
+    for what in medians["sync"]:
+        row = [medians[name][what] * 1e3 for name in medians]
+        print(f"{what:44s} {row[0]:8.1f}ms {row[1]:8.1f}ms")
+    # Two engines on one shared machine can differ in speed by a factor (where their threads
+    # land): these compare each engine with itself.
+    print("within each engine:")
+    for what, of, base in (
+        ("lone hit TTFT over the local hit's", "lone hit TTFT", "local hit TTFT"),
+        ("decoder's gap beside loads / alone", "decoder's longest gap beside 3 loads", None),
+        ("frozen node: decoder's gap / alone", "frozen node: decoder's longest gap", None),
+    ):
+        alone = "decoder's longest gap alone"
+        if base:
+            row = [(m[of] - m[base]) * 1e3 for m in medians.values()]
+            print(f"  {what:42s} {row[0]:8.1f}ms {row[1]:8.1f}ms")
+        else:
+            row = [m[of] / m[alone] for m in medians.values()]
+            print(f"  {what:42s} {row[0]:9.2f}x {row[1]:9.2f}x")
 
 
 if __name__ == "__main__":

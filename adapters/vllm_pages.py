@@ -3,20 +3,23 @@
 vLLM gives each attention layer its own cache tensor with blocks on dim 0 (on CPU
 ``[num_blocks, kv_heads, block_size, 2 * head_size]``, all layers in one allocation, layer
 after layer). A block's pages are therefore spread over the layers, and kvfabric stores one
-contiguous value per block: each layer's page of that block, in layer order. In host
-memory a value lands straight in the pages (``host_pages_of``: kvfabric's scattered read);
-``scatter`` copies landed values into device pages and ``gather`` copies pages out into
-values. A page is moved whole, never interpreted (on CPU its inside is packed by the
-attention kernel).
+contiguous value per block: each layer's page of that block, in layer order. ``scatter``
+copies values into the pages (loads land in a staging buffer first: see ``vllm_loads``)
+and ``gather`` copies pages out into values (saves); ``host_pages_of`` gives a block's
+host pages, where kvfabric's scattered read could land a value directly. A page is moved
+whole, never interpreted (on CPU its inside is packed by the attention kernel).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch  # type: ignore[import-not-found, unused-ignore]
+
+from kvfabric._runtime.native import copy_many
 
 __all__ = ["PagedKV"]
 
@@ -99,29 +102,43 @@ class PagedKV:
     def _copy(
         self, values: torch.Tensor, rows: Sequence[tuple[int, int]], *, into_pages: bool
     ) -> None:
+        if self.device.type == "cpu":
+            self._copy_host(values, rows, into_pages=into_pages)
+            return
         offset = 0
         for layer in self._layers:
             size = layer.page_bytes
             shape = tuple(layer.pages.shape[1:])
-            if layer.host_pages is not None:
-                # numpy, one memcpy per page: torch would split each page copy over its
-                # thread pool, whose threads vLLM pins to the cores the engine computes on,
-                # and a copy then waits for a busy core.
-                host_values = values.numpy()
-                for row, block_id in rows:
-                    value = host_values[row, offset : offset + size].reshape(shape)
-                    page = layer.host_pages[block_id]
-                    dst, src = (page, value) if into_pages else (value, page)
-                    np.copyto(dst, src)
-            else:
-                # Device pages: values are pinned host memory, so these copies are async.
-                for row, block_id in rows:
-                    tensor_value = values[row, offset : offset + size].view(shape)
-                    tensor_page = layer.pages[block_id]
-                    if into_pages:
-                        tensor_page.copy_(tensor_value, non_blocking=True)
-                    else:
-                        tensor_value.copy_(tensor_page, non_blocking=True)
+            # Device pages: values are pinned host memory, so these copies are async.
+            for row, block_id in rows:
+                tensor_value = values[row, offset : offset + size].view(shape)
+                tensor_page = layer.pages[block_id]
+                if into_pages:
+                    tensor_page.copy_(tensor_value, non_blocking=True)
+                else:
+                    tensor_value.copy_(tensor_page, non_blocking=True)
             offset += size
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+
+    def _copy_host(
+        self, values: torch.Tensor, rows: Sequence[tuple[int, int]], *, into_pages: bool
+    ) -> None:
+        # One native call for every page, which lets go of the GIL once: a copy per page
+        # would wait for the GIL again after each page beside a busy engine thread, and
+        # torch would split each copy over its thread pool, whose threads vLLM pins to the
+        # cores the engine computes on.
+        host_values = values.numpy()
+        pairs: list[tuple[Any, Any]] = []  # numpy arrays: buffers to the native copy
+        offset = 0
+        for layer in self._layers:
+            size = layer.page_bytes
+            pages = layer.host_pages
+            assert pages is not None
+            for row, block_id in rows:
+                value = host_values[row, offset : offset + size]
+                page = pages[block_id].reshape(-1)
+                pairs.append((page, value) if into_pages else (value, page))
+            offset += size
+        if pairs:
+            copy_many(pairs)

@@ -3,10 +3,16 @@
 vLLM asks once per new request (again if it could not schedule it) how many of the blocks
 it has not computed are stored elsewhere: :meth:`SchedulerSide.get_num_new_matched_tokens`
 answers with one ``batched_contains`` (one control RPC) over the keys of every rank, and
-keeps the descriptors that lookup resolved. Once vLLM has allocated blocks for the request,
-the hits become a load, and each step :meth:`SchedulerSide.build_connector_meta` hands the
-workers the loads and the blocks that became full (saves), skipping what is known to be
-stored. Load errors the workers report make those blocks eligible for saving again.
+keeps the descriptors that lookup resolved. The lookup runs on a thread of its own, and the
+scheduler waits for it only up to ``lookup_wait``, which a healthy index meets; past that
+the answer is "not yet" and vLLM asks again at its next step, scheduling the rest of the
+batch meanwhile, so a dead or slow controller costs the request its lookup's timeout, never
+the engine a stall. Once vLLM has allocated blocks for the request,
+the hits become a load, which the workers run while vLLM keeps the request waiting; each
+step :meth:`SchedulerSide.build_connector_meta` hands the workers the new loads and the
+blocks that became full (saves), skipping what is known to be stored. Load errors the
+workers report make those blocks eligible for saving again, and the request is not offered
+kvfabric's blocks again (vLLM recomputes what failed instead of waiting for it twice).
 
 The start-up checks of this role are here too: block hashes that cannot agree across
 instances are warned about, and vLLM's load-failure policy is set to recompute.
@@ -17,6 +23,8 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
 import attrs
@@ -24,9 +32,11 @@ import attrs
 import kvfabric
 from kvfabric.adapters.vllm_keys import KeySpace, Rank
 from kvfabric.adapters.vllm_metadata import KVFabricHandshake, KVFabricMetadata, Transfer
+from kvfabric.adapters.vllm_stats import IntervalStats, KVFabricConnectorStats
 from kvfabric.spi import Counters
 
 __all__ = [
+    "DEFAULT_LOOKUP_WAIT",
     "SCHEDULER_COUNTERS",
     "SchedulerSide",
     "require_recompute_policy",
@@ -35,14 +45,23 @@ __all__ = [
 
 log = logging.getLogger("kvfabric.adapters.vllm")
 
+DEFAULT_LOOKUP_WAIT = 0.05
+"""Seconds the scheduler waits for a lookup before answering "not yet" (asked again later)."""
+
 SCHEDULER_COUNTERS = (
     "lookups",
     "lookup_blocks",
     "lookup_hit_blocks",
     "lookup_control_rpcs",
+    "hit_blocks",
+    "miss_blocks",
     "invalid_blocks_reported",
 )
-"""What the scheduler side counts (``KVFabricConnector.counters()`` on the scheduler)."""
+"""What the scheduler side counts (``KVFabricConnector.counters()`` on the scheduler).
+
+``lookup_*`` count every lookup, also the repeats vLLM makes for a request it could not
+schedule yet; ``hit_blocks`` and ``miss_blocks`` count each admitted request once: blocks
+it loads from kvfabric, and blocks it looked up that kvfabric did not have."""
 
 
 def warn_if_hashes_unshared(hash_algo: str) -> None:
@@ -85,6 +104,8 @@ class _Lookup:
 
     local_blocks: int
     hit_blocks: int
+    asked_blocks: int = 0
+    """Blocks looked up (beyond the local ones)."""
     descriptors: dict[Rank, list[bytes]] = attrs.Factory(dict)
     """Per rank, the descriptors of the hit blocks, in block order."""
 
@@ -104,7 +125,8 @@ class SchedulerSide:
     """The connector's state in vLLM's scheduler; see the module docstring.
 
     ``block_ids_of(req_id)``: the request's block ids in the paged cache, in block order
-    (vLLM's ``KVCacheManager.get_block_ids(req_id)[0]``).
+    (vLLM's ``KVCacheManager.get_block_ids(req_id)[0]``); ``lookup_wait``: seconds a lookup
+    may hold the scheduler before the answer is "not yet".
     """
 
     def __init__(
@@ -115,6 +137,7 @@ class SchedulerSide:
         block_size: int,
         ranks_expected: int,
         block_ids_of: Callable[[str], Sequence[int]],
+        lookup_wait: float = DEFAULT_LOOKUP_WAIT,
     ) -> None:
         self._keyspace = keyspace
         self._store = store
@@ -122,10 +145,17 @@ class SchedulerSide:
         self._ranks_expected = ranks_expected
         self._block_ids_of = block_ids_of
         self.counters = Counters(SCHEDULER_COUNTERS)
+        self._stats = IntervalStats(self.counters)
         self._layouts: dict[Rank, str] = {}
         self._lookups: dict[str, _Lookup] = {}
+        self._lookup_wait = lookup_wait
+        self._asking: dict[str, tuple[int, Future[_Lookup]]] = {}
+        """Lookups under way, by request: the local blocks they started from, and the answer."""
+        self._lookup_thread: ThreadPoolExecutor | None = None
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[Transfer] = []
+        self._load_failed: set[str] = set()
+        """Requests some of whose loaded blocks failed: not offered kvfabric's blocks again."""
         self._warned_no_layouts = False
 
     # -- keys ----------------------------------------------------------------------------
@@ -167,12 +197,15 @@ class SchedulerSide:
 
     # -- lookups -------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` that kvfabric holds: one control RPC.
 
         Only whole blocks count, and at least one token is left to compute (vLLM needs a
-        token to sample from). Asking again for the same request asks kvfabric again and
-        replaces the previous answer; nothing else changes.
+        token to sample from). None: the lookup is still running after ``lookup_wait`` (or
+        queued behind one that is), and vLLM asks again at a later step, when the answer
+        is given. Asking again for the same request once answered asks kvfabric again and
+        replaces the previous answer; nothing else changes. A request whose load failed
+        is answered 0 (vLLM asks again when it recomputes from the first block).
         """
         bs = self._block_size
         local = num_computed_tokens // bs
@@ -182,9 +215,34 @@ class SchedulerSide:
         if self._store is not None and not self._layouts and not self._warned_no_layouts:
             self._warned_no_layouts = True
             log.warning("KVFabricConnector: no worker reported its KV layout: lookups disabled")
-        if self._store is None or not self._layouts or usable <= local or skip:
-            self._lookups[request.request_id] = _Lookup(local, 0)
+        req_id = request.request_id
+        failed = req_id in self._load_failed
+        if self._store is None or not self._layouts or usable <= local or skip or failed:
+            self._asking.pop(req_id, None)
+            self._lookups[req_id] = _Lookup(local, 0)
             return 0
+        asking = self._asking.get(req_id)
+        if asking is None or asking[0] != local:
+            # Wait only if no lookup is running: a new one would queue behind it.
+            running = any(not future.done() for _, future in self._asking.values())
+            wait = 0.0 if running else self._lookup_wait
+            if self._lookup_thread is None:
+                self._lookup_thread = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-lookup")
+            future = self._lookup_thread.submit(self._lookup, request, local, usable)
+            self._asking[req_id] = (local, future)
+        else:
+            wait, future = 0.0, asking[1]
+        try:
+            lookup = future.result(timeout=wait)
+        except FutureTimeoutError:
+            return None
+        del self._asking[req_id]
+        self._lookups[req_id] = lookup
+        return (local + lookup.hit_blocks) * bs - num_computed_tokens if lookup.hit_blocks else 0
+
+    def _lookup(self, request: Any, local: int, usable: int) -> _Lookup:
+        """Ask kvfabric about blocks ``[local, usable)`` of ``request`` (on the lookup thread)."""
+        assert self._store is not None
         keys = self._lookup_keys(request, local, usable)
         before = self._store.stats()["control_rpcs"]
         # An unreachable or failing controller answers 0 (the store counts and logs it).
@@ -195,10 +253,8 @@ class SchedulerSide:
             lookup_hit_blocks=hits,
             lookup_control_rpcs=self._store.stats()["control_rpcs"] - before,
         )
-        self._lookups[request.request_id] = _Lookup(
-            local, hits, self._hit_descriptors(keys[: hits * len(self._layouts)])
-        )
-        return (local + hits) * bs - num_computed_tokens if hits else 0
+        descriptors = self._hit_descriptors(keys[: hits * len(self._layouts)])
+        return _Lookup(local, hits, usable - local, descriptors)
 
     def _hit_descriptors(self, keys: list[bytes]) -> dict[Rank, list[bytes]]:
         """The lookup's descriptors of ``keys`` (interleaved by rank), split per rank."""
@@ -217,17 +273,30 @@ class SchedulerSide:
     def update_state_after_alloc(
         self, request: Any, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
-        """vLLM allocated ``block_ids`` (in block order) for ``request``; plan its load."""
+        """vLLM allocated ``block_ids`` (in block order) for ``request``; plan its load.
+
+        Called again, without a lookup, once the request's load is done (vLLM allocates
+        its remaining blocks then): nothing changes.
+        """
         lookup = self._lookups.pop(request.request_id, None)
         if lookup is None:
+            state = self._requests.get(request.request_id)
+            if state is not None:
+                # After its load (whose errors came with it), or resumed: its state stands,
+                # but the load's blocks are plain blocks of the request from now on.
+                state.load_block_ids = ()
+                return
             # Resumed without a lookup: what it computed before was offered for saving then.
             done = request.num_computed_tokens // self._block_size
             lookup = _Lookup(done, 0)
+        loaded = max(num_external_tokens, 0) // self._block_size
+        if lookup.asked_blocks:
+            self.counters.update(hit_blocks=loaded, miss_blocks=lookup.asked_blocks - loaded)
         state = _RequestState(request, stored_upto=lookup.local_blocks + lookup.hit_blocks)
         self._requests[request.request_id] = state
-        if num_external_tokens <= 0:
+        if not loaded:
             return
-        end = lookup.local_blocks + num_external_tokens // self._block_size
+        end = lookup.local_blocks + loaded
         state.load_start = lookup.local_blocks
         state.load_block_ids = tuple(block_ids[lookup.local_blocks : end])
         count = end - lookup.local_blocks
@@ -280,19 +349,28 @@ class SchedulerSide:
         self.counters.add("invalid_blocks_reported", len(invalid_block_ids))
         # vLLM recomputes from the first bad block; offer the recomputed blocks for saving
         # again (the worker dropped the bad records, and dedup makes intact ones free).
-        for state in self._requests.values():
+        for req_id, state in self._requests.items():
             for i, block_id in enumerate(state.load_block_ids):
                 if block_id in invalid_block_ids:
                     state.stored_upto = min(state.stored_upto, state.load_start + i)
+                    self._load_failed.add(req_id)
                     break
 
     def request_finished(self, req_id: str) -> None:
         """Forget the request (its saves were copied out when they were issued)."""
         self._requests.pop(req_id, None)
         self._lookups.pop(req_id, None)
+        self._asking.pop(req_id, None)  # a lookup under way ends unread
+        self._load_failed.discard(req_id)
+
+    def take_stats(self) -> KVFabricConnectorStats | None:
+        """What the lookups found since the last call, as vLLM's connector stats."""
+        return self._stats.take()
 
     def shutdown(self) -> None:
-        """Close the store."""
+        """Stop the lookup thread and close the store."""
+        if self._lookup_thread is not None:
+            self._lookup_thread.shutdown(wait=False, cancel_futures=True)
         if self._store is not None:
             self._store.close()
             self._store = None

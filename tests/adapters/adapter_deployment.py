@@ -59,9 +59,11 @@ def deployment(
     nodes: int = 1, *, single_redis: bool = False, **options: Any
 ) -> Iterator[Deployment]:
     """The deployment ``KVFABRIC_ADAPTER_INDEX`` names, with ``nodes`` data nodes
-    (``options``: more :class:`Cluster` arguments; ``single_redis``: one Redis server even
-    where a cluster is asked for, for a test that restarts it)."""
+    (``options``: more :class:`Cluster` arguments, ``node_ttl`` for Redis only (default
+    10 s); ``single_redis``: one Redis server even where a cluster is asked for, for a test
+    that restarts it)."""
     if not SHARED:
+        options.pop("node_ttl", None)
         with Cluster(nodes=nodes, **options) as cluster:
             yield Deployment(cluster)
         return
@@ -72,7 +74,8 @@ def deployment(
     else:
         redis = RedisDeployment.cluster(masters=3, replicas=1)
     # A liveness TTL well above a stalled engine's start-up on a busy machine.
-    with redis, Cluster(nodes=nodes, redis=redis.url, node_ttl="10s", **options) as cluster:
+    node_ttl = options.pop("node_ttl", "10s")
+    with redis, Cluster(nodes=nodes, redis=redis.url, node_ttl=node_ttl, **options) as cluster:
         yield Deployment(cluster, redis)
 
 

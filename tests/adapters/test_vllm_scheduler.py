@@ -12,6 +12,7 @@ import logging
 import os
 import uuid
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 
@@ -42,6 +43,9 @@ RANKS: list[Rank] = [(0, 0), (0, 1)]  # two tensor-parallel ranks
 KEYSPACE = KeySpace(engine_parts=("test-engine",))
 VALUE = b"v" * 64
 
+LOOKUP_WAIT = 60.0
+"""Long enough for any lookup on a busy machine: these tests get answers, never "not yet"."""
+
 init_none_hash(sha256_cbor)
 HASHER = get_request_block_hasher(BS, sha256_cbor)
 
@@ -61,16 +65,22 @@ def vllm_request(tokens: int, *, seed: int = 0, **params: object) -> Request:
 class Harness:
     """A scheduler side and a second client of the same store (what other engines stored)."""
 
-    def __init__(self, ranks: list[Rank] = RANKS) -> None:
+    def __init__(
+        self, ranks: list[Rank] = RANKS, wrap: Any = None, lookup_wait: float = LOOKUP_WAIT
+    ) -> None:
+        """``wrap``: makes the scheduler's store from its own client (``wrap(client)``)."""
         url = f"embedded://sched-{uuid.uuid4().hex[:8]}"
         self.other_engine = kvfabric.connect(url)
         self.block_ids: dict[str, list[int]] = {}
+        client = kvfabric.connect(url)
+        self.scheduler_store = wrap(client) if wrap else client
         self.side = SchedulerSide(
             keyspace=KEYSPACE,
-            store=kvfabric.connect(url),
+            store=self.scheduler_store,
             block_size=BS,
             ranks_expected=len(RANKS),
             block_ids_of=self.block_ids.__getitem__,
+            lookup_wait=lookup_wait,
         )
         self.side.set_layouts({rank: KVFabricHandshake(layout=f"L{rank}") for rank in ranks})
 
@@ -136,6 +146,8 @@ def test_lookup_costs_no_control_rpc_and_counts_blocks_every_rank_holds(
         "lookup_blocks": 10,
         "lookup_hit_blocks": 6,
         "lookup_control_rpcs": 0,  # the store answers from its index's lookup image
+        "hit_blocks": 0,  # counted when vLLM admits the request
+        "miss_blocks": 0,
         "invalid_blocks_reported": 0,
     }
 

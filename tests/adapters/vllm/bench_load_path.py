@@ -7,10 +7,11 @@ for a KV cache shaped like vLLM's on CPU (per layer ``[num_blocks, kv_heads, blo
 2 * head_size]``, all layers in one allocation):
 
 - ``staged``: one value per block (its page of every layer); ``batched_get(into=staging
-  rows)``, then ``PagedKV.scatter`` copies each page into place (the connector's path for
-  device pages).
+  rows)``, then ``PagedKV.scatter`` copies every page into place in one call (the
+  connector's path: a load abandoned at its deadline may still land, and must land in its
+  own buffer, never in pages vLLM has reused).
 - ``scattered``: the same values landed straight in the pages with
-  ``batched_get_scattered`` (the connector's path for host pages): one copy.
+  ``batched_get_scattered``: one copy, but no way to keep a late read out of the pages.
 - ``per-layer``: the zero-copy alternative. One value per (block, layer), read with
   ``batched_get(into=the pages themselves)``: no second copy, but ``layers`` times the keys.
 - ``memcpy``: one plain copy of the same bytes, the floor.
@@ -102,8 +103,8 @@ def bench(
         memcpy_target = torch.empty_like(source)
         result = {
             "staged get": median_seconds(staged_get, repeat),
-            "staged get+scatter": median_seconds(staged, repeat),
-            "scattered get (what the connector does on host)": median_seconds(scattered, repeat),
+            "staged get+scatter (what the connector does)": median_seconds(staged, repeat),
+            "scattered get": median_seconds(scattered, repeat),
             "per-layer (zero-copy)": median_seconds(per_layer, repeat),
             "memcpy": median_seconds(
                 lambda: memcpy_target.numpy().__setitem__(..., source), repeat
@@ -125,7 +126,7 @@ def main() -> None:
                 size, result = bench(
                     cluster.url(transport=transport), geometry, args.blocks, args.repeat
                 )
-                base = result["staged get+scatter"]
+                base = result["staged get+scatter (what the connector does)"]
                 print(f"\n{name}, {args.blocks} blocks, {size / 2**20:.0f} MiB, over {transport}")
                 for what, seconds in result.items():
                     print(

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import attrs
 import pluggy
 
+from kvfabric._runtime import forks
 from kvfabric.errors import ConfigError, PluginError, PluginNotFoundError, PluginUnavailableError
 from kvfabric.spi import hooks
 from kvfabric.spi.backend import Backend
@@ -252,6 +253,18 @@ def plugin_manager() -> PluginManager:
         if _default is None:
             _default = PluginManager()
         return _default
+
+
+def _fresh_locks_in_child() -> None:
+    # A parent thread may have held these at the fork (a connect loading a plugin): the
+    # child's copies would stay held for good.
+    global _default_lock
+    _default_lock = threading.Lock()
+    if _default is not None:
+        _default._lock = threading.RLock()
+
+
+forks.in_child(_fresh_locks_in_child)
 
 
 def group_plugin_options(pairs: Iterable[str]) -> dict[str, dict[str, str]]:

@@ -162,13 +162,6 @@ def _open_checked(handle: RegionHandle) -> _FileRef:
     if (st.st_dev, st.st_ino) != (dev, ino):
         os.close(fd)
         raise OSError(f"{path} is not the file the node registered")
-    if st.st_size < offset + handle.size:
-        # A mapping past the file's end faults with SIGBUS on first touch: refuse it.
-        os.close(fd)
-        raise OSError(
-            f"{path} holds {st.st_size} bytes, less than the region's end at "
-            f"{offset + handle.size}: the node's file was cut short"
-        )
     # st_blocks counts 512-byte units actually allocated (memfd pages, file extents).
     return _FileRef(fd, offset, allocated=st.st_blocks * 512 >= offset + handle.size)
 

@@ -38,6 +38,7 @@ from kvfabric.spi import (
     TransportClient,
     TransportConfig,
 )
+from kvfabric.testing.polling import PATIENCE, wait_for
 
 __all__ = [
     "MakeClient",
@@ -57,22 +58,19 @@ _PATIENT = 60.0
 _STALL_TIMEOUT = 3.0
 
 
-def wait_until_stopped(pid: int, timeout: float = 30.0) -> None:
+def wait_until_stopped(pid: int, timeout: float = PATIENCE) -> None:
     """Block until process ``pid`` is stopped (SIGSTOP is delivered asynchronously).
 
     Reading right after ``os.kill(pid, SIGSTOP)`` can race the delivery on a busy machine:
     the process may still answer. ``/proc/<pid>/stat`` shows state ``T`` once it is stopped.
     """
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def state() -> str:
         with open(f"/proc/{pid}/stat") as f:
             # The state follows the command name, which is in parentheses and may hold spaces.
-            state = f.read().rpartition(")")[2].split()[0]
-        if state in ("T", "t"):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"process {pid} is still in state {state!r} after SIGSTOP")
-        time.sleep(0.005)
+            return f.read().rpartition(")")[2].split()[0]
+
+    wait_for(f"process {pid} stopped by SIGSTOP", state, timeout, until=lambda s: s in ("T", "t"))
 
 
 class RegionServer:

@@ -50,7 +50,7 @@ from kvfabric.adapters.lmcache import (
     fold_cache_key,
 )
 from kvfabric.adapters.lmcache_hashing import chunk_hash_problem
-from kvfabric.testing import Cluster, free_port
+from kvfabric.testing import Cluster, free_port, wait_for
 
 CHUNK = 16  # tokens per chunk
 KV_SHAPE = (2, 2, CHUNK, 4, 8)  # layers, K/V, tokens, heads, head size: 4 KiB per bf16 chunk
@@ -178,7 +178,7 @@ class Engine:
         """LMCache's batched put (fire and forget); returns once the connector has returned."""
         self.remote.batched_submit_put_task(list(keys), list(objs))
         # The backend holds one reference per object until the write is done.
-        wait_for(lambda: all(o.get_ref_count() == 1 for o in objs), "batched put to finish")
+        wait_for("the batched put finished", lambda: all(o.get_ref_count() == 1 for o in objs))
 
     def lookup(self, keys: Sequence[Any]) -> tuple[int, dict[str, Any]]:
         """The sync lookup: hits and which backend holds them."""
@@ -193,7 +193,7 @@ class Engine:
         """The async path (lookup_id): LMCache looks up, then reads the hits on its loop."""
         cum = [i * CHUNK for i in range(len(keys) + 1)]
         self.run(self.manager.async_lookup_and_prefetch(lookup_id, list(keys), cum))
-        wait_for(lambda: lookup_id in self.lookups.responses, "async lookup to respond")
+        wait_for("the async lookup responded", lambda: lookup_id in self.lookups.responses)
         if self.events.get_event_status(EventType.LOADING, lookup_id) != EventStatus.DONE:
             return []  # nothing found: LMCache answered without loading
         task = self.events.pop_event(EventType.LOADING, lookup_id)
@@ -212,16 +212,8 @@ class Engine:
         self._owned.clear()
         gc.collect()
         # Everything the connector allocated went back to LMCache (or to us, released above).
-        wait_for(lambda: self.active_objects() == 0, "every MemoryObj to be freed")
+        wait_for("every MemoryObj freed", self.active_objects, until=lambda n: n == 0)
         self.manager.close()
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def same_bytes(a: Any, b: Any) -> bool:
@@ -689,16 +681,22 @@ def test_a_get_lmcache_gave_up_on_frees_what_it_allocated(
     engine.put_all(keys, [engine.chunk() for _ in keys])
     store = engine.connector.store
     slow_get = store.batched_get
+    finished = threading.Event()
 
     def slow(*args: Any, **kwargs: Any) -> Any:
         time.sleep(2.0)  # past LMCache's 1 s timeout: it cancels the get and moves on
-        return slow_get(*args, **kwargs)
+        try:
+            return slow_get(*args, **kwargs)
+        finally:
+            finished.set()
 
     monkeypatch.setattr(store, "batched_get", slow)
     owned = engine.active_objects()
     assert engine.remote.batched_get_blocking(keys) == [None, None]
-    time.sleep(2.5)  # the read finishes after LMCache gave up on it
-    wait_for(lambda: engine.active_objects() == owned, "the abandoned read's objects")
+    wait_for("the read LMCache gave up on finished", finished.is_set)
+    wait_for(
+        "the abandoned read's objects freed", engine.active_objects, until=lambda n: n == owned
+    )
 
 
 @pytest.fixture
@@ -748,7 +746,7 @@ def test_controller_outage_reads_as_misses_not_exceptions(
     # controller relearns the other chunks from the node is the controller's business.)
     lonely_deployment.start_index()
     cluster.wait_nodes(1)
-    wait_for(lambda: engine.run(engine.connector.ping()) == 0, "ping to answer 0")
+    wait_for("ping answered 0", lambda: engine.run(engine.connector.ping()), until=lambda n: n == 0)
     engine.put(keys[0], chunks[0])
     assert engine.lookup(keys[:1]) == (1, {REMOTE: keys[:1]})
     assert same_bytes(engine.retrieve(keys[:1])[0], chunks[0])

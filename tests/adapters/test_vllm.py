@@ -409,7 +409,8 @@ def test_dead_controller_makes_lookups_miss_and_b_recomputes(
     # records are) and is reported invalid, so B recomputes it: never a wrong value.
     assert_hits_failed_and_recomputed(out)
     assert_same_output(a_outputs["shared"], out)
-    # Past MAX_AGE the image is not trusted: every lookup misses.
+    # Past MAX_AGE the image is not trusted: every lookup misses (the age is what is
+    # tested, so this waits it out).
     time.sleep(max(0.0, killed_at + MAX_AGE + 0.5 - time.monotonic()))
     out = engines["B"].generate(SHARED, reset_prefix_cache=True, timeout=60)
     print(f"B, controller dead for over {MAX_AGE} s: counters {out['counters']}")

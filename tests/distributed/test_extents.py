@@ -118,7 +118,7 @@ with kvfabric.connect(sys.argv[1]) as store:
     keys = chain_keys(list(range(4)), 1, namespace=b"holder")
     assert set(store.batched_put(keys, [b"h" * 4096] * 4)) == {kvfabric.PutOutcome.STORED}
     print("holding", flush=True)
-    time.sleep(600)
+    time.sleep(600)  # holds its extent until the test kills it
 """
 
 

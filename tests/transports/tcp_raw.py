@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-import time
 from collections.abc import Callable
 
 import attrs
@@ -49,7 +48,6 @@ __all__ = [
     "recv_exactly",
     "recv_until_closed",
     "rss_mib",
-    "wait_for",
 ]
 
 # A bound only a hang reaches.
@@ -282,13 +280,6 @@ def rss_mib(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise AssertionError(f"no VmRSS for process {pid}")
-
-
-def wait_for(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + PATIENT
-    while not condition():
-        assert time.monotonic() < deadline, "the condition never held"
-        time.sleep(0.02)
 
 
 def local_node(token: bytes = b"", **options: str) -> DataNode:

@@ -1,5 +1,6 @@
 """The tcp transport's wire spoken by hand, a proxy between a client and a node, a node
-that answers as a test scripts it, and in-process nodes given tcp options.
+that answers as a test scripts it, in-process nodes given tcp options, and the TLS
+certificates the ``tls_files`` fixture (conftest.py) makes.
 
 For tests that send what a well-behaved client never would, or watch and alter what crosses
 the wire. Frame layouts come from ``kvfabric.transports.tcp_wire`` and the handshake from
@@ -12,6 +13,7 @@ import contextlib
 import socket
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import attrs
 
@@ -38,6 +40,7 @@ __all__ = [
     "Answer",
     "Proxy",
     "ScriptedNode",
+    "TlsFiles",
     "address",
     "connect",
     "frame",
@@ -52,6 +55,16 @@ __all__ = [
 
 # A bound only a hang reaches.
 PATIENT = 30.0
+
+
+@attrs.frozen(kw_only=True)
+class TlsFiles:
+    cert: Path
+    """A self-signed certificate for 127.0.0.1 (its own CA: what clients trust)."""
+    key: Path
+    other_cert: Path
+    """Another self-signed certificate for 127.0.0.1: a stranger's, trusted by nobody."""
+    other_key: Path
 
 
 def frame(op: int, count: int, rid: int = 1, *, version: int = VERSION, code: int = 0) -> bytes:

@@ -8,7 +8,8 @@ Every engine checks on close that no ``MemoryObj`` leaked or was released twice.
 
 ``KVFABRIC_ADAPTER_INDEX=redis`` (or ``redis-cluster``) runs the same tests against data
 nodes registered with the redis index, no controller: only the store URL changes
-(``adapter_deployment``).
+(``adapter_deployment``). The tests whose outcome depends on that index are marked
+``per_index``: the tox env runs those a second time, on Redis Cluster.
 """
 
 from __future__ import annotations
@@ -356,6 +357,7 @@ def test_importing_and_connecting_need_no_running_kvfabric(
 LAYOUTS = [pytest.param(True, id="save_chunk_meta"), pytest.param(False, id="raw")]
 
 
+@pytest.mark.per_index
 @pytest.mark.parametrize("save_chunk_meta", LAYOUTS)
 def test_put_contains_get_round_trip_is_byte_exact(
     cluster: Cluster, engines: Callable[..., Engine], save_chunk_meta: bool
@@ -373,6 +375,7 @@ def test_put_contains_get_round_trip_is_byte_exact(
     assert same_bytes(got, chunk)
 
 
+@pytest.mark.per_index
 @pytest.mark.parametrize("save_chunk_meta", LAYOUTS)
 def test_batched_put_then_lookup_counts_the_prefix_up_to_a_gap(
     cluster: Cluster, engines: Callable[..., Engine], save_chunk_meta: bool
@@ -394,6 +397,7 @@ def test_batched_put_then_lookup_counts_the_prefix_up_to_a_gap(
     assert same_bytes(got[2], chunks[4])
 
 
+@pytest.mark.per_index
 @pytest.mark.parametrize("save_chunk_meta", LAYOUTS)
 def test_lookup_id_path_retrieves_the_leading_hits(
     cluster: Cluster, engines: Callable[..., Engine], save_chunk_meta: bool
@@ -409,6 +413,7 @@ def test_lookup_id_path_retrieves_the_leading_hits(
     assert engine.lookups.responses["req-2"] == 0
 
 
+@pytest.mark.per_index
 @pytest.mark.parametrize("save_chunk_meta", LAYOUTS)
 def test_get_non_blocking_frees_the_hits_after_a_miss(
     cluster: Cluster, engines: Callable[..., Engine], save_chunk_meta: bool
@@ -440,6 +445,7 @@ def test_partial_last_chunk_round_trips_with_its_shape(
         assert tuple(got[2].get_tensor(0).shape) == (2, 2, 5, 32)  # what GPU connectors read
 
 
+@pytest.mark.per_index
 def test_remove_makes_the_chunk_miss(cluster: Cluster, engines: Callable[..., Engine]) -> None:
     engine = engines(cluster.url())
     key = engine.key(1)
@@ -450,6 +456,7 @@ def test_remove_makes_the_chunk_miss(cluster: Cluster, engines: Callable[..., En
     assert not engine.remote.remove(key)
 
 
+@pytest.mark.per_index
 def test_list_names_the_chunks_this_connector_stored_that_are_still_there(
     cluster: Cluster, engines: Callable[..., Engine]
 ) -> None:
@@ -461,6 +468,7 @@ def test_list_names_the_chunks_this_connector_stored_that_are_still_there(
     assert sorted(names) == sorted(k.to_string() for k in (keys[0], keys[2]))
 
 
+@pytest.mark.per_index
 def test_ping_answers_zero_while_the_controller_answers(
     cluster: Cluster, engines: Callable[..., Engine]
 ) -> None:
@@ -520,6 +528,7 @@ def test_chunk_hashes_of_any_sign_and_width_fold_to_distinct_keys(
     assert all(same_bytes(g, c) for g, c in zip(got, chunks, strict=True))
 
 
+@pytest.mark.per_index
 def test_tp_ranks_keep_their_own_chunks_and_equal_chunks_are_stored_once(
     cluster: Cluster, engines: Callable[..., Engine]
 ) -> None:
@@ -547,6 +556,7 @@ def _rpcs(cluster: Cluster, engine: Engine) -> tuple[int, int]:
     return controller_rpcs(cluster), engine.connector.store.stats()["control_rpcs"]
 
 
+@pytest.mark.per_index
 @pytest.mark.parametrize("save_chunk_meta", LAYOUTS)
 @pytest.mark.parametrize("path", ["sync", "lookup_id"])
 def test_lookup_of_n_chunks_and_their_retrieval_cost_no_control_rpc(
@@ -572,6 +582,7 @@ def test_lookup_of_n_chunks_and_their_retrieval_cost_no_control_rpc(
     assert client_after - client_before == LOOKUP_RPCS
 
 
+@pytest.mark.per_index
 def test_a_lookup_id_read_uses_its_lookups_descriptors_after_others_pushed_them_out(
     cluster: Cluster, engines: Callable[..., Engine]
 ) -> None:
@@ -642,6 +653,7 @@ def test_coroutines_leave_blocking_work_to_worker_threads(
     assert all(name.startswith("kvfabric-lmcache") for name in threads), threads
 
 
+@pytest.mark.per_index
 def test_lookups_and_reads_from_many_threads_stay_byte_exact(
     cluster: Cluster, engines: Callable[..., Engine]
 ) -> None:
@@ -707,6 +719,7 @@ def lonely_deployment() -> Iterator[Deployment]:
         yield d
 
 
+@pytest.mark.per_index
 def test_controller_outage_reads_as_misses_not_exceptions(
     lonely_deployment: Deployment, engines: Callable[..., Engine]
 ) -> None:
@@ -881,6 +894,7 @@ def test_chunk_hashes_are_reported_unshared_exactly_where_lmcache_salts_or_rando
 # -- LMCache's own check ------------------------------------------------------------------------
 
 
+@pytest.mark.per_index
 def test_lmcache_basic_check_test_remote_passes(cluster: Cluster, tmp_path: Path) -> None:
     config = tmp_path / "lmcache.yaml"
     config.write_text(

@@ -1,7 +1,7 @@
 """The ``ucx`` transport: the shipped conformance suites, then what only UCX shows.
 
-tox runs this file twice: ``ucx-sm`` (``UCX_TLS=sm``: CMA, one-sided) and ``ucx-tcp``
-(``UCX_TLS=tcp``: RMA emulated by the node's progress thread). Tests whose outcome depends
+tox's ``ucx`` env runs this file twice: with ``UCX_TLS=sm`` (CMA, one-sided) and with
+``UCX_TLS=tcp`` (RMA emulated by the node's progress thread). Tests whose outcome depends
 on which one is in force say so in their name and skip under the other. Servers are real
 processes on 127.0.0.1; nothing asserts a timing (what is measured is printed). What every
 transport must do (killed and stalled nodes, refusals, reconnects) is in the conformance

@@ -12,8 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import TlsFiles
-from tcp_raw import Proxy, address, local_endpoint, local_node
+from tcp_raw import Proxy, TlsFiles, address, local_endpoint, local_node
 
 import kvfabric
 from kvfabric import PutOutcome

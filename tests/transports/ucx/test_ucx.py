@@ -89,7 +89,10 @@ class TestEmbeddedStoreOverUcx(StoreConformance):
     def store_url(self, unique_name: str) -> str:
         # The timeout bounds a hang, not the machine's speed: under UCX_TLS=tcp on a busy
         # host a 256 MiB put took more than the default 2 s.
-        return f"embedded://{unique_name}?capacity=512MiB&transport=ucx&timeout=60s"
+        # dram.prefault off: a new store for each test, and preparing 512 MiB ahead
+        # costs more than most tests (what they check does not depend on it).
+        url = f"embedded://{unique_name}?capacity=512MiB&transport=ucx&timeout=60s"
+        return f"{url}&dram.prefault=false"
 
 
 @pytest.fixture(scope="module")

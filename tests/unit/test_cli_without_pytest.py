@@ -13,6 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# Every test starts kvfabric processes: left out of the fast loop (-m "not slow").
+pytestmark = pytest.mark.slow
+
 _BLOCKER = '''
 import sys
 

@@ -32,6 +32,7 @@ def wait_for(
     *,
     until: Callable[[T], object] = bool,
     context: Callable[[], str] | None = None,
+    every: float | None = None,
 ) -> T:
     """Call ``check`` until ``until`` holds for what it returns (by default: until it is
     true); return that value.
@@ -39,11 +40,12 @@ def wait_for(
     ``what`` names the outcome waited for ("the node registered"). Past ``bound`` seconds
     an AssertionError names it, the last value ``check`` returned and what ``context``
     returns (the tail of a process's log, say). The polls start 2 ms apart and back off to
-    100 ms, so a quick outcome is seen at once and a slow one costs little CPU; an
-    exception from ``check`` propagates (a failure, not a retry).
+    100 ms, so a quick outcome is seen at once and a slow one costs little CPU; ``every``
+    fixes the pause instead, for a check that acts (a put, a tick) and must not become a
+    burst of them. An exception from ``check`` propagates (a failure, not a retry).
     """
     started = time.monotonic()
-    pause = _FIRST_POLL
+    pause = _FIRST_POLL if every is None else every
     while True:
         value = check()
         if until(value):
@@ -53,4 +55,5 @@ def wait_for(
             message = f"{what}: not within {bound:g}s (last seen: {value!r})"
             raise AssertionError(f"{message}\n{context()}" if context else message)
         time.sleep(pause)
-        pause = min(pause * 2, _SLOWEST_POLL)
+        if every is None:
+            pause = min(pause * 2, _SLOWEST_POLL)

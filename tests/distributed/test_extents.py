@@ -179,7 +179,7 @@ def test_a_controller_restarted_under_a_client_holding_extents() -> None:
                 store, fresh, fresh_values
             ) == len(fresh)
 
-        wait_for("stored through new extents after a controller restart", stores_again)
+        wait_for("stored through new extents after a controller restart", stores_again, every=0.1)
         # The old extent went with the old controller: a put with it fails, never raises.
         assert seen <= {PutOutcome.STORED, PutOutcome.FAILED}
 
@@ -187,7 +187,7 @@ def test_a_controller_restarted_under_a_client_holding_extents() -> None:
             after = _keys(_BATCH, "settled")
             return _put_rpcs(store, after, _values(after)) == 1
 
-        wait_for("puts cost one control round trip again", one_round_trip)
+        wait_for("puts cost one control round trip again", one_round_trip, every=0.1)
         # The records restored from the node read back.
         wait_for(
             "the same client hits its keys again", lambda: exact_hits(store, keys, values) == 16
@@ -232,7 +232,7 @@ def test_a_node_restarted_under_a_client_holding_extents(transport: str, backend
                 return False
             return exact_hits(store, fresh, fresh_values) == _BATCH
 
-        wait_for("stored through a new extent after a node restart", stores_again)
+        wait_for("stored through a new extent after a node restart", stores_again, every=0.1)
         index = _index(cluster)
         # Nothing was laid into the extent from before the restart: the index never had to
         # refuse a record of it.

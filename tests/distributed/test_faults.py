@@ -146,6 +146,7 @@ def test_controller_restart_gives_misses_meanwhile_then_the_same_client_hits_aga
                 "puts stored again",
                 lambda: store.batched_put(fresh, fresh_values),
                 until=lambda outcomes: outcomes == [PutOutcome.STORED] * 6,
+                every=0.1,
             )
             assert store.batched_contains(fresh) == 6
             assert _as_bytes(store.batched_get(fresh)) == fresh_values

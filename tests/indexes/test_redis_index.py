@@ -253,7 +253,12 @@ def test_a_node_that_stops_heartbeating_is_dropped_with_its_entries(
             index.tick()
             return [n.name for n in index.nodes()]
 
-        wait_for("the quiet node dropped", beat_and_tick, until=lambda names: names == ["alive"])
+        wait_for(
+            "the quiet node dropped",
+            beat_and_tick,
+            until=lambda names: names == ["alive"],
+            every=0.1,  # alive heartbeats well inside its 400 ms
+        )
         assert index.exists(on_quiet) == [False] * len(on_quiet)
         assert index.stats()["nodes_expired"] == 1
         # The dropped node must register again: its old incarnation is refused.
@@ -284,7 +289,7 @@ def test_a_live_nodes_name_is_refused_to_another_process(redis_single: RedisDepl
                 return None
 
         # n1 stopped heartbeating: its name is free once its liveness key expires.
-        taken = wait_for("n1's name free", take_the_name)
+        taken = wait_for("n1's name free", take_the_name, every=0.1)
         assert taken.id == first.id
         assert taken.incarnation > again.incarnation
     finally:

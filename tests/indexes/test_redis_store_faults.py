@@ -311,6 +311,7 @@ def test_nodes_back_under_new_incarnations_before_the_first_tick_are_relearned(
                 registered,
                 until=lambda back: len(back) == 2 and back.isdisjoint(learned),
                 context=nodes.tail,
+                every=0.1,
             )
 
             assert upkeep.check() is True

@@ -43,3 +43,10 @@ def test_an_exception_from_the_check_is_a_failure_not_a_retry() -> None:
     with pytest.raises(KeyError, match="gone"):
         wait_for("a key", check)
     assert calls == [1]
+
+
+def test_a_check_that_acts_can_be_paced_instead_of_backed_off() -> None:
+    calls: list[int] = []
+    with pytest.raises(AssertionError):
+        wait_for("never", lambda: calls.append(1), 0.25, every=0.1)
+    assert 2 <= len(calls) <= 4  # at 0, 0.1, 0.2 and 0.3 s at most: never a burst

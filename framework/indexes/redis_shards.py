@@ -214,7 +214,7 @@ class ShardSet:
             host, port = address.rsplit(":", 1)
             # More threads than connections wait for one (up to the timeout) rather than fail.
             # (redis-py leaves this constructor unannotated.)
-            pool = BlockingConnectionPool(  # type: ignore[no-untyped-call]
+            pool = BlockingConnectionPool(  # type: ignore[no-untyped-call, unused-ignore]
                 host=host,
                 port=int(port),
                 max_connections=self._pool_size,

@@ -22,7 +22,8 @@ from kvfabric._tools.local_cluster import free_port
 from kvfabric.testing.cluster import Cluster
 from kvfabric.testing.hooks import corrupt_payload, resolve_descriptor
 from kvfabric.testing.index_suite import IndexConformance, MakeIndex
-from kvfabric.testing.recovery import RECOVERY_BOUND, exact_hits, wait_for
+from kvfabric.testing.polling import PATIENCE, wait_for
+from kvfabric.testing.recovery import exact_hits
 from kvfabric.testing.store_suite import StoreConformance
 from kvfabric.testing.transport_suite import (
     MakeClient,
@@ -35,7 +36,7 @@ from kvfabric.testing.transport_suite import (
 )
 
 __all__ = [
-    "RECOVERY_BOUND",
+    "PATIENCE",
     "BusyThread",
     "Cluster",
     "IndexConformance",

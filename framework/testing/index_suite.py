@@ -128,6 +128,8 @@ def _carved(
 
 
 def _wait_past(seconds: float, index: IndexPlugin) -> None:
+    """Let ``seconds`` pass, then tick: time running out (a lease, a grace period) is the
+    behaviour under test, so this sleeps on purpose, past the short lease the test set."""
     time.sleep(seconds)
     index.tick()
 

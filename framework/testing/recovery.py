@@ -1,35 +1,17 @@
-"""Helpers for fault tests with real processes: wait for a recovery, read back exactly.
+"""Reading back after a fault: every value exact, or a miss.
 
-A fault test kills or restarts a process and asserts what a long-lived client sees and how
-soon it is whole again. :func:`wait_for` polls the outcome and says how long it took
-(generous bounds, for busy machines: the bound tells a hang from slowness, never a timing
-to meet); :func:`exact_hits` reads keys back and fails at once on a wrong value.
+A fault test kills or restarts a process, waits for the client to be whole again
+(:func:`kvfabric.testing.wait_for`) and reads its keys back with :func:`exact_hits`, which
+fails at once on a wrong value: after a fault a key may miss, never read wrong.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvfabric import Store
 
-__all__ = ["RECOVERY_BOUND", "exact_hits", "wait_for"]
-
-RECOVERY_BOUND = 30.0
-"""Seconds a recovery may take before a test calls it a hang."""
-
-
-def wait_for(what: str, check: Callable[[], bool], bound: float = RECOVERY_BOUND) -> float:
-    """Poll ``check`` until it holds; the seconds it took (printed). AssertionError past
-    ``bound``."""
-    started = time.monotonic()
-    while not check():
-        if time.monotonic() - started > bound:
-            raise AssertionError(f"{what}: not within {bound:g}s")
-        time.sleep(0.1)
-    elapsed = time.monotonic() - started
-    print(f"\n{what}: {elapsed:.2f}s")
-    return elapsed
+__all__ = ["exact_hits"]
 
 
 def exact_hits(store: Store, keys: Sequence[bytes], values: Sequence[bytes]) -> int:

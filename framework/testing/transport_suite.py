@@ -39,6 +39,7 @@ from kvfabric.spi import (
     TransportClient,
     TransportConfig,
 )
+from kvfabric.testing.polling import PATIENCE, wait_for
 
 __all__ = [
     "MakeClient",
@@ -59,22 +60,19 @@ _PATIENT = 60.0
 _STALL_TIMEOUT = 3.0
 
 
-def wait_until_stopped(pid: int, timeout: float = 30.0) -> None:
+def wait_until_stopped(pid: int, timeout: float = PATIENCE) -> None:
     """Block until process ``pid`` is stopped (SIGSTOP is delivered asynchronously).
 
     Reading right after ``os.kill(pid, SIGSTOP)`` can race the delivery on a busy machine:
     the process may still answer. ``/proc/<pid>/stat`` shows state ``T`` once it is stopped.
     """
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def state() -> str:
         with open(f"/proc/{pid}/stat") as f:
             # The state follows the command name, which is in parentheses and may hold spaces.
-            state = f.read().rpartition(")")[2].split()[0]
-        if state in ("T", "t"):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"process {pid} is still in state {state!r} after SIGSTOP")
-        time.sleep(0.005)
+            return f.read().rpartition(")")[2].split()[0]
+
+    wait_for(f"process {pid} stopped by SIGSTOP", state, timeout, until=lambda s: s in ("T", "t"))
 
 
 class RegionServer:
@@ -219,8 +217,33 @@ class TransportConformance:
     def transport_cls(self, transport_name: str) -> type[Transport]:
         return plugin_manager().transport(transport_name)
 
+    @pytest.fixture(scope="class")
+    def _shared_servers(self) -> Iterator[dict[tuple[str, ...], RegionServer]]:
+        servers: dict[tuple[str, ...], RegionServer] = {}
+        yield servers
+        for server in servers.values():
+            server.close()
+
     @pytest.fixture
-    def server(self, transport_name: str, transport_env: dict[str, str]) -> Iterator[RegionServer]:
+    def server(
+        self,
+        transport_name: str,
+        transport_env: dict[str, str],
+        _shared_servers: dict[tuple[str, ...], RegionServer],
+    ) -> RegionServer:
+        """A server the class's tests share: each writes what it reads, none stops or kills
+        it, and starting a process costs more than most tests (restarted if one died)."""
+        key = (transport_name, *sorted(f"{k}={v}" for k, v in transport_env.items()))
+        server = _shared_servers.get(key)
+        if server is None or server.process.poll() is not None:
+            server = _shared_servers[key] = RegionServer(transport_name, env=transport_env)
+        return server
+
+    @pytest.fixture
+    def own_server(
+        self, transport_name: str, transport_env: dict[str, str]
+    ) -> Iterator[RegionServer]:
+        """A server of the test's own, for a test that stops or kills it."""
         server = RegionServer(transport_name, env=transport_env)
         yield server
         server.close()
@@ -627,11 +650,12 @@ class TransportConformance:
         self,
         make_client: MakeClient,
         transport_cls: type[Transport],
-        server: RegionServer,
+        own_server: RegionServer,
     ) -> None:
         """A dead node is an error at once (a two-sided transport), or, for a one-sided one
         that still reaches memory it mapped, the very bytes that were written: never a wait
         for the timeout."""
+        server = own_server
         endpoint = server.endpoint
         data = _pattern(64 * 1024, 3)
         client = make_client(endpoint, _PATIENT)
@@ -660,10 +684,11 @@ class TransportConformance:
         self,
         make_client: MakeClient,
         transport_cls: type[Transport],
-        server: RegionServer,
+        own_server: RegionServer,
     ) -> None:
         """A stopped node's read ends at the timeout (two-sided), or lands the written bytes
         (one-sided, where the node's CPU is not needed); once it runs again, reads work."""
+        server = own_server
         endpoint = server.endpoint
         data = _pattern(64 * 1024, 10)
         client = make_client(endpoint, _STALL_TIMEOUT)

@@ -25,8 +25,11 @@ def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _file_store_url(name: str, path: Path, transport: str) -> Iterator[str]:
     """A store on files of its own; the files go when the test ends (each test would
-    otherwise leave 512 MiB of allocated disk behind)."""
-    yield f"embedded://{name}?backend=file&path={path}&capacity=512MiB&transport={transport}"
+    otherwise leave its files behind). file.prefault off: the blocks are allocated as the
+    test writes them, not 512 MiB ahead for every test (what the suite checks does not
+    depend on it; test_prefault.py checks prefaulting)."""
+    url = f"embedded://{name}?backend=file&path={path}&capacity=512MiB&transport={transport}"
+    yield f"{url}&file.prefault=false"
     shutil.rmtree(path, ignore_errors=True)
 
 

@@ -5,7 +5,6 @@ long it took (``prefault_ms``, and in its ready line)."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from kvfabric._plugins import PluginOptions, plugin_manager
 from kvfabric._runtime.huge_pages import policy_grants_advised
 from kvfabric.errors import ConfigError
 from kvfabric.spi import Backend, BackendConfig
-from kvfabric.testing import Cluster
+from kvfabric.testing import Cluster, wait_for
 
 _MIB = 1 << 20
 
@@ -129,10 +128,10 @@ def test_a_node_reports_how_much_of_its_memory_huge_pages_map() -> None:
 
 def _node_stats(cluster: Cluster) -> dict[str, dict[str, int]]:
     """The controller's stats, once the node's first heartbeat carried its counters."""
-    deadline = time.monotonic() + 30
-    while True:
-        stats = cluster.stats()
-        if any(k.startswith("node") and "prefault_ms" in v for k, v in stats.items()):
-            return stats
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.05)
+    return wait_for(
+        "the node's first heartbeat",
+        cluster.stats,
+        until=lambda stats: any(
+            k.startswith("node") and "prefault_ms" in v for k, v in stats.items()
+        ),
+    )

@@ -20,7 +20,7 @@ import pytest
 import kvfabric
 from kvfabric import AsyncStore, PutOutcome
 from kvfabric.keys import chain_keys
-from kvfabric.testing import Cluster
+from kvfabric.testing import Cluster, wait_for
 
 
 @pytest.fixture
@@ -38,13 +38,9 @@ def _controller_signal(cluster: Cluster, sig: int) -> None:
     cluster.controller.signal(sig)
 
 
-async def _until(check: Callable[[], bool], bound: float = 30.0) -> None:
-    """Wait for a state (never for a time): the bound only catches a hang."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + bound
-    while not check():
-        assert loop.time() < deadline, "state not reached"
-        await asyncio.sleep(0.01)
+async def _until(what: str, check: Callable[[], bool]) -> None:
+    """:func:`wait_for` off the loop's thread: the loop runs the call awaited meanwhile."""
+    await asyncio.to_thread(wait_for, what, check)
 
 
 def _done(astore: AsyncStore, *counters: str) -> int:
@@ -67,8 +63,10 @@ def test_a_cancelled_get_never_writes_the_buffer_after_the_await_returned(
             _controller_signal(cluster, signal.SIGSTOP)
             try:
                 task = asyncio.create_task(astore.batched_get(keys, into=[buffer]))
-                await _until(lambda: astore.stats()["gets"] == 1)  # in its resolve call
+                await _until("the get in its resolve call", lambda: astore.stats()["gets"] == 1)
                 task.cancel()
+                # The controller answers a while after the cancel: the call stays in
+                # flight meanwhile, which is what the await must outlast.
                 loop.call_later(0.2, _controller_signal, cluster, signal.SIGCONT)
                 with pytest.raises(asyncio.CancelledError):
                     await task
@@ -78,7 +76,7 @@ def test_a_cancelled_get_never_writes_the_buffer_after_the_await_returned(
             assert _done(astore, "get_hits", "get_misses") == 1
             assert bytes(buffer) == value
             buffer[:] = bytes(len(buffer))  # the caller reuses its buffer
-            await _until(lambda: _done(astore, "get_hits", "get_misses") == 1)
+            await _until("the get done", lambda: _done(astore, "get_hits", "get_misses") == 1)
             await astore.batched_contains([])  # a full round through the worker pool
         assert bytes(buffer) == bytes(len(buffer))
 
@@ -107,8 +105,9 @@ def test_a_timed_out_put_never_stores_bytes_written_after_the_await_returned(
             try:
                 task = asyncio.create_task(put())
                 deadline = await armed
-                await _until(lambda: astore.stats()["puts"] == 1)  # in its allocate call
+                await _until("the put in its allocate call", lambda: astore.stats()["puts"] == 1)
                 deadline.reschedule(loop.time())  # time out now
+                # As above: in flight a while after the timeout.
                 loop.call_later(0.2, _controller_signal, cluster, signal.SIGCONT)
                 with pytest.raises(TimeoutError):
                     await task

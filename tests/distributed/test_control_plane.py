@@ -29,7 +29,7 @@ from kvfabric._wire.protocol import (
 )
 from kvfabric.keys import chain_keys
 from kvfabric.spi.index import NodeInfo
-from kvfabric.testing import Cluster, free_port
+from kvfabric.testing import Cluster, free_port, wait_for
 
 
 def _keys(n: int) -> list[bytes]:
@@ -124,10 +124,9 @@ def _frozen(cluster: Cluster) -> int:
 
 
 def _wait_frozen(cluster: Cluster, at_least: int) -> int:
-    deadline = time.monotonic() + 30
-    while (frozen := _frozen(cluster)) < at_least and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return frozen
+    return wait_for(
+        f"{at_least} objects frozen", lambda: _frozen(cluster), until=lambda n: n >= at_least
+    )
 
 
 def test_the_controller_freezes_its_entries_out_of_full_collections_and_frees_deleted_ones(
@@ -317,7 +316,7 @@ def test_an_index_whose_upkeep_raises_is_counted_and_logged_and_the_controller_s
             requests = 20
             for _ in range(requests):
                 assert RemoteIndex(client).nodes() == []
-                time.sleep(0.01)  # ticks fail meanwhile too
+                time.sleep(0.01)  # time for ticks, which fail meanwhile too (counted below)
             stats = fetch_stats(client)["controller"]
         finally:
             client.close()

@@ -5,17 +5,16 @@ from __future__ import annotations
 import gc
 import os
 import threading
-import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
 import kvfabric
 from kvfabric._control.client import IDLE_SOCKETS
 from kvfabric.keys import chain_keys
-from kvfabric.testing import Cluster
+from kvfabric.testing import Cluster, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -30,16 +29,6 @@ def _keys(n: int) -> list[bytes]:
 
 def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def _settles(check: Callable[[], bool], bound: float = 10.0) -> bool:
-    """ZeroMQ closes sockets on its own thread: give it a (generous) moment."""
-    deadline = time.monotonic() + bound
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_short_lived_threads_leave_no_control_sockets_behind(cluster: Cluster) -> None:
@@ -60,15 +49,19 @@ def test_short_lived_threads_leave_no_control_sockets_behind(cluster: Cluster) -
         assert found == [4] * 200
         # Each idle socket holds two fds (its mailbox and its TCP connection).
         limit = 2 * IDLE_SOCKETS + 2
-        _settles(lambda: _fds() - before <= limit)
-        extra = _fds() - before
+        # ZeroMQ closes sockets on its own thread: a moment after the threads end.
+        extra = wait_for(
+            "the extra fds closed", lambda: _fds() - before, until=lambda n: n <= limit
+        )
         print(f"\n200 threads, one lookup each: {extra} extra fds (limit {limit})")
         assert extra <= limit
 
 
 @pytest.mark.parametrize("deployment", ["remote", "embedded"])
 def test_closed_stores_leave_nothing_behind(cluster: Cluster, deployment: str) -> None:
-    url = cluster.url() if deployment == "remote" else f"embedded://{uuid.uuid4().hex[:8]}"
+    # Small: each of the 30 embedded stores below makes (and prefaults) its own memory.
+    embedded = f"embedded://{uuid.uuid4().hex[:8]}?capacity=16MiB"
+    url = cluster.url() if deployment == "remote" else embedded
     keys = _keys(2)
     for _ in range(3):  # warm up: plugins loaded, ZeroMQ context started
         with kvfabric.connect(url) as store:
@@ -87,5 +80,5 @@ def test_closed_stores_leave_nothing_behind(cluster: Cluster, deployment: str) -
         del store
     gc.collect()
     assert [r for r in refs if r() is not None] == []
-    assert _settles(lambda: threading.active_count() <= threads)
-    assert _settles(lambda: _fds() <= fds + 2), f"{_fds() - fds} fds more"
+    wait_for("the threads ended", threading.active_count, until=lambda n: n <= threads)
+    wait_for("the fds closed", _fds, until=lambda n: n <= fds + 2)

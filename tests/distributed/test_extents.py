@@ -118,7 +118,7 @@ with kvfabric.connect(sys.argv[1]) as store:
     keys = chain_keys(list(range(4)), 1, namespace=b"holder")
     assert set(store.batched_put(keys, [b"h" * 4096] * 4)) == {kvfabric.PutOutcome.STORED}
     print("holding", flush=True)
-    time.sleep(600)
+    time.sleep(600)  # holds its extent until the test kills it
 """
 
 
@@ -179,7 +179,7 @@ def test_a_controller_restarted_under_a_client_holding_extents() -> None:
                 store, fresh, fresh_values
             ) == len(fresh)
 
-        wait_for("stored through new extents after a controller restart", stores_again)
+        wait_for("stored through new extents after a controller restart", stores_again, every=0.1)
         # The old extent went with the old controller: a put with it fails, never raises.
         # While the node restores its records the new index places nothing (NO_SPACE).
         assert seen <= {PutOutcome.STORED, PutOutcome.FAILED, PutOutcome.NO_SPACE}
@@ -188,7 +188,7 @@ def test_a_controller_restarted_under_a_client_holding_extents() -> None:
             after = _keys(_BATCH, "settled")
             return _put_rpcs(store, after, _values(after)) == 1
 
-        wait_for("puts cost one control round trip again", one_round_trip)
+        wait_for("puts cost one control round trip again", one_round_trip, every=0.1)
         # The records restored from the node read back.
         wait_for(
             "the same client hits its keys again", lambda: exact_hits(store, keys, values) == 16
@@ -233,7 +233,7 @@ def test_a_node_restarted_under_a_client_holding_extents(transport: str, backend
                 return False
             return exact_hits(store, fresh, fresh_values) == _BATCH
 
-        wait_for("stored through a new extent after a node restart", stores_again)
+        wait_for("stored through a new extent after a node restart", stores_again, every=0.1)
         index = _index(cluster)
         # Nothing was laid into the extent from before the restart: the index never had to
         # refuse a record of it.

@@ -20,7 +20,7 @@ from kvfabric._control.remote_index import RemoteIndex
 from kvfabric._runtime.image import IMAGE_NODE
 from kvfabric.keys import chain_keys
 from kvfabric.spi import Segment, TransportConfig
-from kvfabric.testing import Cluster, free_port, wait_until_stopped
+from kvfabric.testing import Cluster, free_port, wait_for, wait_until_stopped
 from kvfabric.transports.tcp import TcpTransport
 
 
@@ -66,9 +66,12 @@ def test_killing_a_node_during_a_get_gives_misses_in_time_and_the_rest_keeps_wor
         two_nodes.signal_node(0, signal.SIGSTOP)
         result: list[list[memoryview | None]] = []
         reader = threading.Thread(target=lambda: result.append(store.batched_get(keys)))
+        gets = store.stats()["gets"]
         started = time.monotonic()
         reader.start()
-        time.sleep(0.3)
+        # The get has started: its reads (of descriptors the lookup above left) go to the
+        # frozen node and wait there for the 1 s timeout.
+        wait_for("the get started", lambda: store.stats()["gets"], until=lambda n: n > gets)
         two_nodes.kill_node(0)
         reader.join(timeout=30)  # the bound catches a hang, not slowness
         assert not reader.is_alive()
@@ -80,10 +83,9 @@ def test_killing_a_node_during_a_get_gives_misses_in_time_and_the_rest_keeps_wor
             assert got[i] == values[i]
 
         # The controller drops the dead node and its entries after missed heartbeats.
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and two_nodes.node_names() != ["node1"]:
-            time.sleep(0.1)
-        assert two_nodes.node_names() == ["node1"]
+        wait_for(
+            "the dead node dropped", two_nodes.node_names, until=lambda names: names == ["node1"]
+        )
         assert store.batched_exists([keys[i] for i in placement["node0"]]) == [False] * len(
             placement["node0"]
         )
@@ -112,8 +114,8 @@ def test_a_stalled_node_turns_reads_into_misses_within_the_timeout(two_nodes: Cl
             assert all(got[i] == values[i] for i in placement["node0"])
         finally:
             two_nodes.signal_node(1, signal.SIGCONT)
-        # Once it runs again, a new read gets everything (if it was not dropped meanwhile).
-        time.sleep(0.2)
+        # Running again (SIGCONT resumes it before kill() returns), a new read gets
+        # everything (if it was not dropped meanwhile).
         if two_nodes.node_names() == ["node0", "node1"]:
             assert _as_bytes(store.batched_get(keys)) == values
 
@@ -138,16 +140,14 @@ def test_controller_restart_gives_misses_meanwhile_then_the_same_client_hits_aga
 
             cluster.start_controller()
             cluster.wait_nodes(1)  # the node re-registers with the new controller by itself
-            deadline = time.monotonic() + 10
             fresh = _keys(6)
             fresh_values = [os.urandom(1000) for _ in fresh]
-            outcomes: list[PutOutcome] = []
-            while time.monotonic() < deadline:
-                outcomes = store.batched_put(fresh, fresh_values)
-                if outcomes == [PutOutcome.STORED] * 6:
-                    break
-                time.sleep(0.1)
-            assert outcomes == [PutOutcome.STORED] * 6
+            wait_for(
+                "puts stored again",
+                lambda: store.batched_put(fresh, fresh_values),
+                until=lambda outcomes: outcomes == [PutOutcome.STORED] * 6,
+                every=0.1,
+            )
             assert store.batched_contains(fresh) == 6
             assert _as_bytes(store.batched_get(fresh)) == fresh_values
             # The new controller rebuilt its index from the node's records: the keys stored

@@ -18,19 +18,19 @@ import textwrap
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
 import kvfabric
-from kvfabric._client.image_reader import MAX_AGE
 from kvfabric._control.client import ControlClient
 from kvfabric._control.remote_index import RemoteIndex
 from kvfabric._runtime.image import IMAGE_BUCKET_SIZE, IMAGE_HEADER_SIZE, IMAGE_NODE, ImageGeometry
 from kvfabric._wire.protocol import ImageLocation
 from kvfabric.keys import chain_keys
 from kvfabric.spi import Segment, TransportConfig
-from kvfabric.testing import Cluster
+from kvfabric.testing import Cluster, wait_for
 from kvfabric.transports.tcp import TcpTransport
 
 
@@ -168,14 +168,19 @@ def test_a_killed_image_server_is_started_again_and_clients_find_it() -> None:
             (first,) = c.image_server_pids()
             os.kill(first, signal.SIGKILL)
             killed = time.monotonic()
-            while time.monotonic() - killed < 10:
-                assert store.batched_contains(keys) == 32  # by RPC until the image is back
+
+            def lookup() -> tuple[dict[str, Any], dict[str, Any]]:
+                """The stats before and after a lookup (by RPC until the image is back)."""
+                assert store.batched_contains(keys) == 32
                 before = store.stats()
                 assert store.batched_contains(keys) == 32
-                after = store.stats()
-                if after["control_rpcs"] == before["control_rpcs"]:
-                    break
-                time.sleep(0.05)
+                return before, store.stats()
+
+            before, after = wait_for(
+                "a lookup without a control RPC again",
+                lookup,
+                until=lambda seen: seen[1]["control_rpcs"] == seen[0]["control_rpcs"],
+            )
             recovered = time.monotonic() - killed
             assert after["control_rpcs"] == before["control_rpcs"]
             assert after["onesided_lookups"] - before["onesided_lookups"] == 1
@@ -193,10 +198,7 @@ def test_the_image_server_exits_with_its_controller_even_on_kill_9() -> None:
     with Cluster(nodes=1, transports=("tcp",), capacity="16MiB") as c:
         (server,) = c.image_server_pids()
         c.kill_controller()
-        deadline = time.monotonic() + 10
-        while _alive(server) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(server)
+        wait_for("the image server exited", lambda: not _alive(server))
 
 
 def _alive(pid: int) -> bool:
@@ -261,17 +263,22 @@ def test_after_a_controller_restart_lookups_read_the_new_controllers_image() -> 
             assert store.batched_contains(keys) == 10
             c.kill_controller()
             # The dead controller's image was right when it stopped, so it is trusted until
-            # its heartbeat is MAX_AGE old; then lookups miss (no controller to ask).
-            deadline = time.monotonic() + MAX_AGE + 5
-            while store.batched_contains(keys) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert store.batched_contains(keys) == 0
+            # its heartbeat is too old (image_reader.MAX_AGE); then lookups miss (no
+            # controller to ask).
+            wait_for(
+                "lookups miss once the dead controller's image is too old",
+                lambda: store.batched_contains(keys),
+                until=lambda hits: hits == 0,
+            )
             assert store.stats()["image_unavailable"] > 0
             c.start_controller()
             c.wait_nodes(1)  # the node re-registers and reports its records
-            deadline = time.monotonic() + 20
-            while store.batched_contains(keys) != 10 and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_for(
+                "every key found again",
+                lambda: store.batched_contains(keys),
+                until=lambda hits: hits == 10,
+                context=c.tail,
+            )
             # The lookup after the one that saw the new epoch learns where the image is
             # (one NODES and one IMAGE call); from then on:
             store.batched_contains(keys)
@@ -293,9 +300,11 @@ def test_one_sided_hits_keep_their_keys_from_eviction() -> None:
         store.batched_put(cold, [_value(k, 16384) for k in cold])
         before = store.stats()
         assert store.batched_contains(hot) == 64
-        deadline = time.monotonic() + 10
-        while store.stats()["touch_rpcs"] == before["touch_rpcs"] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(
+            "the hits reported",
+            lambda: store.stats()["touch_rpcs"],
+            until=lambda touches: touches != before["touch_rpcs"],
+        )
         assert store.stats()["touch_rpcs"] - before["touch_rpcs"] == 1
         assert c.stats()["controller"]["touch_rpcs"] >= 1
         filler = _keys(128)

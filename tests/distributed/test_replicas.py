@@ -18,7 +18,7 @@ import pytest
 import kvfabric
 from kvfabric import PutOutcome
 from kvfabric.keys import chain_keys
-from kvfabric.testing import Cluster, corrupt_payload
+from kvfabric.testing import Cluster, corrupt_payload, wait_for
 from kvfabric.testing.store_suite import ReplicatedStoreConformance
 
 
@@ -124,9 +124,9 @@ def test_a_node_killed_loses_no_hit_and_the_reads_fall_over_to_the_other_copy(
         }
         # Once the controller drops the node, the surviving copies are read first.
         cluster.wait_nodes(2)
-        deadline = time.monotonic() + 10
-        while store.batched_contains(keys) < 96 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for(
+            "every key found again", lambda: store.batched_contains(keys), until=lambda n: n == 96
+        )
         before = store.stats()
         assert _as_bytes(store.batched_get(keys)) == values
         after = store.stats()

@@ -73,6 +73,7 @@ def test_a_node_killed_and_restarted_under_its_name_serves_the_same_client(
         wait_for(
             f"{transport}: stored and read back after a node restart",
             _stores_again(store, "after"),
+            every=0.1,
         )
         # dram died with the process: the old keys are misses now, never wrong values.
         assert exact_hits(store, keys, values) == 0
@@ -92,7 +93,9 @@ def test_a_node_dropped_for_silence_then_restarted_serves_the_same_client() -> N
         cluster.signal_node(0, signal.SIGCONT)
         cluster.kill_node(0)
         cluster.start_node(0)
-        wait_for("stored and read back after drop and restart", _stores_again(store, "b"))
+        wait_for(
+            "stored and read back after drop and restart", _stores_again(store, "b"), every=0.1
+        )
 
 
 def test_a_node_replaced_by_a_new_one_on_a_new_port_serves_the_same_client() -> None:
@@ -104,9 +107,13 @@ def test_a_node_replaced_by_a_new_one_on_a_new_port_serves_the_same_client() -> 
         old = cluster.node_infos()[0]
         cluster.kill_node(0)
         replacement = cluster.add_node()
-        wait_for("stored and read back through the replacement", _stores_again(store, "b"))
+        wait_for(
+            "stored and read back through the replacement", _stores_again(store, "b"), every=0.1
+        )
         wait_for("the dead node dropped", lambda: cluster.node_names() == [f"node{replacement}"])
-        wait_for("stored and read back with only the replacement", _stores_again(store, "c"))
+        wait_for(
+            "stored and read back with only the replacement", _stores_again(store, "c"), every=0.1
+        )
         new = cluster.node_infos()[0]
         assert new.id != old.id
         assert new.endpoints[0].address != old.endpoints[0].address
@@ -124,7 +131,7 @@ def test_a_node_restarted_with_a_smaller_capacity_is_filled_normally() -> None:
             "the index reports the new capacity",
             lambda: cluster.stats()["index"]["capacity_bytes"] == 4 << 20,
         )
-        wait_for("stored again after the restart", _stores_again(store, "c"))
+        wait_for("stored again after the restart", _stores_again(store, "c"), every=0.1)
         # Twice the capacity in 64 KiB values: every put is stored, evicting older ones.
         outcomes: list[PutOutcome] = []
         for n in range(8):
@@ -206,7 +213,7 @@ def test_a_file_node_with_1gib_killed_restarts_with_its_records(tmp_path: Path) 
                 and cluster.stats()["index"].get("entries", 0) >= count
             ),
         )
-        wait_for("the same client stores again", _stores_again(store, "after"))
+        wait_for("the same client stores again", _stores_again(store, "after"), every=0.1)
         found = 0
         for start in range(0, count, 256):
             batch = keys[start : start + 256]

@@ -31,7 +31,7 @@ from kvfabric.spi import (
     RegionInfo,
     record_size,
 )
-from kvfabric.testing import IndexConformance, MakeIndex
+from kvfabric.testing import IndexConformance, MakeIndex, wait_for
 
 _MIB = 1 << 20
 
@@ -247,12 +247,18 @@ def test_a_node_that_stops_heartbeating_is_dropped_with_its_entries(
         _put(index, keys)
         on_quiet = [d.key for d in index.resolve(keys) if d is not None and d.node == quiet.id]
         assert on_quiet
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
+
+        def beat_and_tick() -> list[str]:
             assert index.heartbeat(alive.id, alive.incarnation)
-            time.sleep(0.1)
-        index.tick()
-        assert [n.name for n in index.nodes()] == ["alive"]
+            index.tick()
+            return [n.name for n in index.nodes()]
+
+        wait_for(
+            "the quiet node dropped",
+            beat_and_tick,
+            until=lambda names: names == ["alive"],
+            every=0.1,  # alive heartbeats well inside its 400 ms
+        )
         assert index.exists(on_quiet) == [False] * len(on_quiet)
         assert index.stats()["nodes_expired"] == 1
         # The dropped node must register again: its old incarnation is refused.
@@ -275,8 +281,15 @@ def test_a_live_nodes_name_is_refused_to_another_process(redis_single: RedisDepl
         assert again.id == first.id
         with pytest.raises(NameInUseError, match="belongs to a live node"):
             index.register_node(attrs.evolve(_node("n1", _MIB), instance=2))
-        time.sleep(0.7)  # n1 stopped heartbeating: its name is free
-        taken = index.register_node(attrs.evolve(_node("n1", _MIB), instance=2))
+
+        def take_the_name() -> NodeInfo | None:
+            try:
+                return index.register_node(attrs.evolve(_node("n1", _MIB), instance=2))
+            except NameInUseError:
+                return None
+
+        # n1 stopped heartbeating: its name is free once its liveness key expires.
+        taken = wait_for("n1's name free", take_the_name, every=0.1)
         assert taken.id == first.id
         assert taken.incarnation > again.incarnation
     finally:
@@ -292,7 +305,7 @@ def test_eviction_takes_the_least_recently_read_entry(redis_single: RedisDeploym
         index.register_node(_node("n1", 4 * record_size(1000)))
         keys = _keys(5)
         _put(index, keys[:4])
-        time.sleep(2.2)
+        time.sleep(2.2)  # time passing is the point: ages apart on Redis's 1 s LRU clock
         index.lookup_prefix([keys[0], keys[1], keys[3]])  # keys[2] is the only one not read
         result = index.allocate([AllocationRequest(key=keys[4], length=1000)])
         assert result.evictions == 1
@@ -447,7 +460,6 @@ def test_evicting_a_restored_record_drops_its_entry_in_the_other_arena(
         assert index.restore(one.id, [record]) == 1
         index.restore_done(one.id)
         index.restore_done(two.id)
-        time.sleep(0.05)
         # Fill node 1: the restored record (unread since) is the cheapest to evict.
         local = [k for k in candidates if index.home(k)[0] == one.id][:4]
         assert _put(index, local[:3]) == [AllocationKind.GRANTED] * 3

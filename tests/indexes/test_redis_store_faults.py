@@ -30,7 +30,7 @@ from kvfabric._client.store import Store
 from kvfabric.errors import KvfabricError
 from kvfabric.keys import chain_keys
 from kvfabric.spi import IndexPlugin
-from kvfabric.testing import Cluster
+from kvfabric.testing import Cluster, wait_for
 
 _RECOVERY_LIMIT = 60.0
 """Seconds after the kill by which the replica must have taken over: a bound on a hang,
@@ -133,20 +133,23 @@ def test_killing_a_redis_master_under_load_loses_no_value_and_work_resumes_after
     ]
     for thread in threads:
         thread.start()
-    time.sleep(2.0)
-    redis_cluster.kill(victim_port)
-    killed.append(time.monotonic())
-    healthy = redis_cluster.wait_healthy(timeout=_RECOVERY_LIMIT)
-    deadline = time.monotonic() + _RECOVERY_LIMIT
-    while (
-        load.victim_put_at is None or load.victim_hit_at is None
-    ) and time.monotonic() < deadline:
-        if not any(t.is_alive() for t in threads):
-            break
-        time.sleep(0.05)
-    load.stop.set()
-    for thread in threads:
-        thread.join(timeout=120)
+    try:
+        # The kill lands in the midst of the load: each client has stored and read back
+        # keys of its own by then (a batch reads back at most 32).
+        wait_for("the clients storing and reading", lambda: load.reads, until=lambda n: n >= 2048)
+        redis_cluster.kill(victim_port)
+        killed.append(time.monotonic())
+        healthy = redis_cluster.wait_healthy(timeout=_RECOVERY_LIMIT)
+        wait_for(
+            "the killed master's keys stored and hit again (or the clients done)",
+            lambda: (load.victim_put_at, load.victim_hit_at, any(t.is_alive() for t in threads)),
+            _RECOVERY_LIMIT,
+            until=lambda seen: None not in seen[:2] or not seen[2],
+        )
+    finally:
+        load.stop.set()
+        for thread in threads:
+            thread.join(timeout=120)
     print(
         f"\nmaster {victim} killed: cluster healthy after {healthy:.1f} s; its keys stored "
         f"again after {load.victim_put_at} s and hit again after {load.victim_hit_at} s; "
@@ -209,9 +212,12 @@ def test_killing_a_data_node_with_two_copies_loses_no_hit(three_nodes: Cluster) 
         }
         # Once the node's liveness key expires it is dropped: the second copies' arenas
         # are the keys' homes, and every key is found there without falling over.
-        deadline = time.monotonic() + 30
-        while len(three_nodes.node_infos()) > 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for(
+            "the killed node dropped",
+            three_nodes.node_infos,
+            until=lambda infos: len(infos) <= 2,
+            context=three_nodes.tail,
+        )
         assert len(three_nodes.node_infos()) == 2
         store.ping()
         before = store.stats()
@@ -248,15 +254,12 @@ def test_a_redis_restarted_empty_gets_the_nodes_and_their_records_back(
         with kvfabric.connect(nodes.url(transport="tcp")) as store:
             assert store.batched_put(keys[:32], values[:32]) == [PutOutcome.STORED] * 32
             redis_single.restart(redis_single.servers[0].port)
-            started = time.monotonic()
-            deadline = started + 30
-            while time.monotonic() < deadline and store.batched_contains(keys[:32]) < 32:
-                time.sleep(0.1)
-            print(
-                f"\nredis restarted empty: every key found again after "
-                f"{time.monotonic() - started:.1f} s"
+            wait_for(
+                "redis restarted empty: every key found again",
+                lambda: store.batched_contains(keys[:32]),
+                until=lambda hits: hits == 32,
+                context=nodes.tail,
             )
-            assert store.batched_contains(keys[:32]) == 32
             assert store.batched_put(keys, values) == (
                 [PutOutcome.DEDUPLICATED] * 32 + [PutOutcome.STORED] * 32
             )
@@ -291,30 +294,35 @@ def test_nodes_back_under_new_incarnations_before_the_first_tick_are_relearned(
             assert store.batched_put(keys[:32], values[:32]) == [PutOutcome.STORED] * 32
 
             redis_single.restart(redis_single.servers[0].port)
+
             # Until both nodes are registered again, under new incarnations (read past the
             # store, whose routes are what is tested). Another client ticks the index
             # meanwhile, as every client of a deployment does (this store's ticks are the
             # test's).
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
+            def registered() -> set[tuple[int, int]]:
                 try:
                     nodes.index().tick()
-                    back = {(n.id, n.incarnation) for n in nodes.index().nodes()}
+                    return {(n.id, n.incarnation) for n in nodes.index().nodes()}
                 except KvfabricError:
-                    back = set()
-                if len(back) == 2 and back.isdisjoint(learned):
-                    break
-                time.sleep(0.1)
-            else:
-                pytest.fail(f"the nodes did not register again within 30 s\n{nodes.tail()}")
+                    return set()
+
+            back = wait_for(
+                "both nodes registered again, under new incarnations",
+                registered,
+                until=lambda back: len(back) == 2 and back.isdisjoint(learned),
+                context=nodes.tail,
+                every=0.1,
+            )
 
             assert upkeep.check() is True
             # Each node reports its records once registered: every key is found again (a
             # node registering while Redis restarted used to restore none of its own).
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and store.batched_contains(keys[:32]) < 32:
-                time.sleep(0.1)
-            assert store.batched_contains(keys[:32]) == 32, nodes.tail()
+            wait_for(
+                "every key found again",
+                lambda: store.batched_contains(keys[:32]),
+                until=lambda hits: hits == 32,
+                context=nodes.tail,
+            )
             # Every put lands on the nodes as they are now: none fails for a stale route.
             outcomes = store.batched_put(keys, values)
             assert outcomes == [PutOutcome.DEDUPLICATED] * 32 + [PutOutcome.STORED] * 32

@@ -7,7 +7,6 @@ the URL. The cluster is real controller and node processes on 127.0.0.1.
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -18,11 +17,7 @@ from kvfabric import PutOutcome
 from kvfabric._plugins import plugin_manager
 from kvfabric.errors import ConfigError
 from kvfabric.keys import chain_keys
-from kvfabric.testing import Cluster, StoreConformance, TransportConformance
-
-# Settled counters wait for the node's next heartbeat (every 0.25 s); a bound only a
-# stuck node reaches.
-_SETTLE = 30.0
+from kvfabric.testing import Cluster, StoreConformance, TransportConformance, wait_for
 
 
 class TestExampleTransport(TransportConformance):
@@ -34,7 +29,10 @@ class TestExampleTransport(TransportConformance):
 class TestEmbeddedStoreOverExample(StoreConformance):
     @pytest.fixture
     def store_url(self, unique_name: str) -> str:
-        return f"embedded://{unique_name}?capacity=512MiB&transport=example&timeout=60s"
+        # dram.prefault off: a new store for each test, and preparing 512 MiB ahead
+        # costs more than most tests (what they check does not depend on it).
+        url = f"embedded://{unique_name}?capacity=512MiB&transport=example&timeout=60s"
+        return f"{url}&dram.prefault=false"
 
 
 def test_it_is_installed_as_its_own_distribution() -> None:
@@ -58,16 +56,17 @@ def _node_counters(cluster: Cluster, settled: str = "", value: int = 0) -> dict[
 
     Each snapshot is consistent: the node updates a request's counters together.
     """
-    deadline = time.monotonic() + _SETTLE
-    while True:
+
+    def counters() -> dict[str, int]:
         nodes = [v for k, v in cluster.stats().items() if k.startswith("node")]
+        return nodes[0] if nodes else {}
+
+    return wait_for(
+        f"the node's counters, {settled} at {value} or more" if settled else "the node's counters",
+        counters,
         # A node's counters appear with its first heartbeat.
-        if nodes and "example_bytes_read" in nodes[0]:
-            if not settled or nodes[0][settled] >= value or time.monotonic() > deadline:
-                return nodes[0]
-        elif time.monotonic() > deadline:
-            raise AssertionError(f"the node never reported its counters: {cluster.stats()}")
-        time.sleep(0.05)
+        until=lambda seen: "example_bytes_read" in seen and (not settled or seen[settled] >= value),
+    )
 
 
 def test_a_kvfabric_client_chooses_it_over_tcp_by_its_declared_preference(

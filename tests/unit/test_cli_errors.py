@@ -18,6 +18,9 @@ import pytest
 
 from kvfabric.testing import free_port
 
+# Every test starts kvfabric processes: left out of the fast loop (-m "not slow").
+pytestmark = pytest.mark.slow
+
 _KVFABRIC = [sys.executable, "-m", "kvfabric"]
 
 

@@ -13,7 +13,6 @@ import mmap
 import os
 import struct
 import threading
-import time
 import uuid
 
 import numpy as np
@@ -39,6 +38,7 @@ from kvfabric.indexes.memory import MemoryIndex
 from kvfabric.indexes.memory_image import MemoryImage
 from kvfabric.keys import chain_keys
 from kvfabric.spi import AllocationRequest, GrantRef, NodeInfo, Region, RegionInfo
+from kvfabric.testing import wait_for
 
 HIT, MISS, UNKNOWN, UNUSABLE = (
     ImageStop.HIT,
@@ -537,9 +537,7 @@ def test_keys_hit_in_the_image_reach_the_index_in_one_background_report() -> Non
         rpcs = store.stats()["control_rpcs"]
         for _ in range(5):
             assert store.batched_contains(keys) == 32
-        deadline = time.monotonic() + 10
-        while store.stats()["touch_rpcs"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for("the background report", lambda: store.stats()["touch_rpcs"])
         after = index.stats()
         assert store.stats()["touch_rpcs"] == 1
         assert store.stats()["control_rpcs"] == rpcs  # reports are not lookups' RPCs
@@ -569,11 +567,13 @@ def test_lookups_racing_with_puts_deletes_and_evictions_never_read_another_keys_
     wrong: list[bytes] = []
     errors: list[BaseException] = []
     stores: list[Store] = []
+    rounds = {"writes": 0, "reads": 0}
 
     def writer(seed: int) -> None:
         rng = np.random.default_rng(seed)
         with kvfabric.connect(url) as store:
             while not stop.is_set():
+                rounds["writes"] += 1
                 start = int(rng.integers(0, len(keys) - 64))
                 batch = keys[start : start + int(rng.integers(1, 64))]
                 outcomes = store.batched_put(batch, [values[k] for k in batch])
@@ -586,6 +586,7 @@ def test_lookups_racing_with_puts_deletes_and_evictions_never_read_another_keys_
         store = kvfabric.connect(url)
         stores.append(store)
         while not stop.is_set():
+            rounds["reads"] += 1
             start = int(rng.integers(0, len(keys) - 64))
             batch = keys[start : start + 64]
             hits = store.batched_contains(batch)
@@ -605,8 +606,15 @@ def test_lookups_racing_with_puts_deletes_and_evictions_never_read_another_keys_
         threads += [threading.Thread(target=guarded, args=(reader, 10 + s)) for s in range(2)]
         for thread in threads:
             thread.start()
-        time.sleep(4.0)
-        stop.set()
+        try:
+            # A count of rounds, not a time: a busy machine makes the race longer, never
+            # smaller (an error in a thread ends it early: stop is set).
+            wait_for(
+                "500 rounds of writes raced by 500 rounds of reads",
+                lambda: stop.is_set() or min(rounds.values()) >= 500,
+            )
+        finally:
+            stop.set()
         for thread in threads:
             thread.join(30)
         counts = [store.stats() for store in stores]
@@ -619,7 +627,8 @@ def test_lookups_racing_with_puts_deletes_and_evictions_never_read_another_keys_
     print(
         f"{lookups} lookups, {onesided} one-sided, {sum(c['image_fallbacks'] for c in counts)} "
         f"fell back; {sum(c['get_hits'] for c in counts)} values read, "
-        f"{sum(c['validation_failures'] for c in counts)} stale descriptors caught"
+        f"{sum(c['validation_failures'] for c in counts)} stale descriptors caught "
+        f"in {rounds['writes']} rounds of writes and {rounds['reads']} of reads"
     )
     assert onesided > 0
 

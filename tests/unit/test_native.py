@@ -7,6 +7,7 @@ the exact number of times a call took the GIL back (the module counts them).
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import mmap
 import os
@@ -15,6 +16,7 @@ import socket
 import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +30,7 @@ from hypothesis import strategies as st
 
 from kvfabric._runtime import buffers, native
 from kvfabric._runtime.record import checksum_pieces
-from kvfabric.testing import BusyThread
+from kvfabric.testing import BusyThread, wait_for
 
 # Around the edges of each pass's loops: 8-byte words, 32-byte registers, 128-byte folds,
 # the three streams' 256-byte and 8 KiB blocks.
@@ -573,22 +575,28 @@ def test_a_mutex_is_a_context_manager_and_refuses_a_release_when_not_held() -> N
     assert native.gil_reacquisitions() - before == 0
 
 
+@pytest.mark.usefixtures("long_switch_interval")
 def test_a_contended_mutex_waits_with_the_gil_released_and_takes_it_back_once() -> None:
-    """The holder needs the GIL to finish and let go: a waiter that kept it would deadlock."""
+    """The holder needs the GIL to finish and let go: a waiter that kept it would deadlock.
+
+    The holder goes on only once this thread waits: told to go just before the acquire, it
+    needs the GIL, which this thread (with a 1 s switch interval) gives up only by blocking
+    in the acquire."""
     mutex = native.Mutex()
-    held = threading.Event()
+    held, go = threading.Event(), threading.Event()
     done: list[int] = []
 
     def holder() -> None:
         with mutex:
             held.set()
-            time.sleep(0.05)  # the waiter is blocked on the mutex by now
+            go.wait()
             done.append(sum(range(100_000)))  # Python work: needs the GIL
 
     thread = threading.Thread(target=holder)
     thread.start()
     held.wait()
     before = native.gil_reacquisitions()
+    go.set()
     with mutex:
         assert done == [sum(range(100_000))]
     thread.join()
@@ -606,6 +614,12 @@ def tcp_pair() -> Iterator[tuple[socket.socket, socket.socket]]:
         server, _ = listener.accept()
     with client, server:
         yield client, server
+
+
+def _readable(sock: socket.socket) -> int:
+    """Bytes waiting in ``sock``'s receive queue."""
+    count = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    return int(struct.unpack("i", count)[0])
 
 
 def _in_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -707,7 +721,7 @@ def test_receives_resume_across_a_peer_that_sends_in_dribbles(
     def dribble() -> None:
         for i in range(0, len(payload), 997):
             client.sendall(payload[i : i + 997])
-            time.sleep(0.005)
+            time.sleep(0.005)  # the dribble under test: a pause between pieces
 
     join = _in_thread(dribble)
     targets = [bytearray(3), bytearray(5000), bytearray(0), bytearray(5004)]
@@ -899,7 +913,7 @@ def test_request_reply_with_busy_poll_takes_the_reply_whether_it_comes_within_th
     payloads = [os.urandom(4096) for _ in range(8)]
 
     def late() -> None:
-        time.sleep(reply_after)
+        time.sleep(reply_after)  # the case under test: a reply after the 1 ms spin
         _serve_once(server, bytes(8), payloads)
 
     join = _in_thread(late)
@@ -1240,7 +1254,7 @@ def test_a_small_socket_call_with_nothing_to_wait_for_keeps_the_gil(
     before = native.gil_reacquisitions()
     native.send_all(client, [b"x" * 1000] * 10, time.monotonic() + 30)  # fits the buffer
     assert native.gil_reacquisitions() - before == 0
-    time.sleep(0.05)  # let it arrive
+    wait_for("10,000 bytes readable", lambda: _readable(server), until=lambda n: n >= 10_000)
     out = bytearray(10_000)
     native.recv_into_all(server, [out], time.monotonic() + 30)
     assert native.gil_reacquisitions() - before == 0
@@ -1278,10 +1292,16 @@ def test_a_signal_during_a_wait_runs_its_handler_and_the_receive_resumes() -> No
 
     left, right = socket.socketpair()
     fired: list[int] = []
+
+    def send_once_handled() -> None:
+        wait_for("the handler ran", lambda: fired)
+        left.sendall(b"late")
+
     previous = signal.signal(signal.SIGALRM, lambda signum, frame: fired.append(signum))
     try:
         with left, right:
-            join = _in_thread(lambda: (time.sleep(0.3), left.sendall(b"late"))[1])
+            join = _in_thread(send_once_handled)
+            # 50 ms: the alarm lands while the receive below waits for the bytes.
             signal.setitimer(signal.ITIMER_REAL, 0.05)
             before = native.gil_reacquisitions()
             out = bytearray(4)

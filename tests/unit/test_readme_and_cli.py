@@ -67,6 +67,7 @@ def test_cli_reports_errors_without_a_traceback() -> None:
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git to copy the checkout")
+@pytest.mark.slow
 def test_readme_demo_command_works_on_a_fresh_checkout(tmp_path: Path) -> None:
     """Command 1 on a copy of the tracked tree, with its own new virtualenv."""
     files = subprocess.run(

@@ -189,7 +189,7 @@ class _PausedWriterIndex(MemoryIndex):
 
     def allocate(self, requests: Sequence[AllocationRequest]) -> AllocateResult:
         result = super().allocate(requests)
-        time.sleep(result.lease * 0.6)
+        time.sleep(result.lease * 0.6)  # the pause under test: most of the lease gone by
         return result
 
     def lease_extents(
@@ -202,7 +202,7 @@ class _PausedWriterIndex(MemoryIndex):
     ) -> list[Extent]:
         extents = super().lease_extents(need, want, count, exclude, returned)
         if extents:
-            time.sleep(extents[0].lease * 0.6)
+            time.sleep(extents[0].lease * 0.6)  # the pause under test, as in allocate
         return extents
 
 

@@ -36,7 +36,7 @@ from kvfabric.spi import (
     TransportConfig,
     new_rkey,
 )
-from kvfabric.testing import BusyThread, Cluster
+from kvfabric.testing import BusyThread, Cluster, wait_for
 
 _COUNT = 64
 _SIZE = 4 << 20
@@ -228,11 +228,18 @@ def test_a_reader_spinning_on_a_slot_while_records_land_sees_misses_or_the_exact
                 else:
                     wrong.append(name)
 
+    def races() -> tuple[int, int]:
+        return writes, hits["a"] + hits["b"] + misses
+
     threads = [threading.Thread(target=write), threading.Thread(target=read)]
     for t in threads:
         t.start()
-    time.sleep(2.0)
-    stop.set()
+    try:
+        # The race runs for a count of writes and reads, not for a time: a busy machine
+        # makes it take longer, never prove less.
+        wait_for("300 writes raced by 300 reads", races, until=lambda n: min(n) >= 300)
+    finally:
+        stop.set()
     for t in threads:
         t.join()
     print(f"{writes} writes; reads: {hits} hits, {misses} misses, {len(wrong)} wrong")

@@ -1,4 +1,4 @@
-"""Fixtures for the transport tests: certificates for TLS on the tcp data plane."""
+"""Fixtures for the tcp transport's tests: certificates for TLS on the data plane."""
 
 from __future__ import annotations
 
@@ -6,18 +6,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import attrs
 import pytest
-
-
-@attrs.frozen(kw_only=True)
-class TlsFiles:
-    cert: Path
-    """A self-signed certificate for 127.0.0.1 (its own CA: what clients trust)."""
-    key: Path
-    other_cert: Path
-    """Another self-signed certificate for 127.0.0.1: a stranger's, trusted by nobody."""
-    other_key: Path
+from tcp_raw import TlsFiles
 
 
 def _self_signed(directory: Path, name: str) -> tuple[Path, Path]:

@@ -19,8 +19,6 @@ from collections.abc import Callable, Iterator
 import pytest
 
 if not os.environ.get("KVFABRIC_REQUIRE_VLLM"):  # tox -e vllm sets it: fail, never skip
-    # vllm.v1: a plain "vllm" would import this directory's vllm/ (the engine helper) as a
-    # namespace package where vLLM is not installed.
     pytest.importorskip("vllm.v1", reason="needs vLLM: tox -e vllm")
 
 import torch

@@ -17,8 +17,6 @@ from typing import Any
 import pytest
 
 if not os.environ.get("KVFABRIC_REQUIRE_VLLM"):  # tox -e vllm sets it: fail, never skip
-    # vllm.v1: a plain "vllm" would import this directory's vllm/ (the engine helper) as a
-    # namespace package where vLLM is not installed.
     pytest.importorskip("vllm.v1", reason="needs vLLM: tox -e vllm")
 
 from vllm import SamplingParams

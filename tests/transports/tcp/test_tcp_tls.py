@@ -12,8 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import TlsFiles
-from tcp_raw import Proxy, address, local_endpoint, local_node, wait_for
+from tcp_raw import Proxy, TlsFiles, address, local_endpoint, local_node
 
 import kvfabric
 from kvfabric import PutOutcome
@@ -21,7 +20,7 @@ from kvfabric._node.node import DataNode
 from kvfabric.errors import ConfigError, TransportError
 from kvfabric.keys import chain_keys
 from kvfabric.spi import NodeEndpoint, TransportClient, TransportConfig
-from kvfabric.testing import Cluster, segment_for
+from kvfabric.testing import Cluster, segment_for, wait_for
 from kvfabric.transports.tcp import TcpTransport
 
 _KEY = b"secret"
@@ -112,7 +111,10 @@ def test_a_node_presenting_a_certificate_the_client_does_not_trust_is_refused(
         finally:
             client.close()
         # The node sees the client's alert when its accept loop next runs.
-        wait_for(lambda: stranger.servers["tcp"].stats()["tls_failures"] == 1)
+        wait_for(
+            "the failed handshake counted",
+            lambda: stranger.servers["tcp"].stats()["tls_failures"] == 1,
+        )
         stats = stranger.servers["tcp"].stats()
         assert (stats["handshakes"], stats["requests"]) == (0, 0)
     finally:

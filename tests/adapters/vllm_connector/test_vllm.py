@@ -10,7 +10,9 @@ and treat an outage of kvfabric as misses. Each engine process serves several pr
 ``KVFABRIC_ADAPTER_INDEX=redis`` (or ``redis-cluster``) runs them against data nodes
 registered with the redis index, no controller: only the store URL changes
 (``adapter_deployment``); there a lookup costs a round to Redis instead of reading the
-controller's lookup image.
+controller's lookup image. The tests whose outcome depends on that index are marked
+``per_index``: the tox env runs those a second time, on Redis Cluster (without engine C,
+which only the multi-process test needs).
 """
 
 from __future__ import annotations
@@ -37,11 +39,9 @@ from kvfabric._client.image_reader import MAX_AGE
 from kvfabric.testing import Cluster, corrupt_payload
 
 if not os.environ.get("KVFABRIC_REQUIRE_VLLM"):  # tox -e vllm sets it: fail, never skip
-    # vllm.v1: a plain "vllm" would import this directory's vllm/ (the engine helper) as a
-    # namespace package where vLLM is not installed.
     pytest.importorskip("vllm.v1", reason="needs vLLM: tox -e vllm")
 
-ENGINE = Path(__file__).parent / "vllm" / "engine.py"
+ENGINE = Path(__file__).parent / "engine.py"
 BLOCK = 32  # the CPU attention backend needs a multiple of 32
 LOGPROB_TOLERANCE = 1e-4
 """Loaded KV reproduces A's logprobs to ~1e-6 (a different kernel split of the same math)."""
@@ -134,18 +134,21 @@ class EngineProcess:
         self._stderr.flush()
         return self.log.read_text()[-4000:]
 
+    def quit(self) -> None:
+        """Ask the engine to exit (without waiting: engines shut down side by side)."""
+        if self._process.poll() is None and self._process.stdin and not self._process.stdin.closed:
+            self._process.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self._process.stdin.close()
+
     def close(self) -> None:
         if self._stderr.closed:
             return
-        if self._process.poll() is None:
-            assert self._process.stdin is not None
-            self._process.stdin.write(json.dumps({"op": "quit"}) + "\n")
-            self._process.stdin.close()
-            try:
-                self._process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+        self.quit()
+        try:
+            self._process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
         self._stderr.close()
 
 
@@ -181,8 +184,12 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(logs: Path) -> Path:
-    path = logs / "tiny-llama"
-    subprocess.run([sys.executable, str(ENGINE), "--make-model", str(path)], check=True)
+    """The tiny Llama, written once per tox run where ``KVFABRIC_TEST_MODEL_DIR`` names a
+    place to keep it (the env's second pass reuses it: it is seeded, so always the same)."""
+    kept = os.environ.get("KVFABRIC_TEST_MODEL_DIR")
+    path = Path(kept) if kept else logs / "tiny-llama"
+    if not path.exists():
+        subprocess.run([sys.executable, str(ENGINE), "--make-model", str(path)], check=True)
     return path
 
 
@@ -209,15 +216,19 @@ def client(cluster: Cluster) -> Iterator[kvfabric.Store]:
 
 
 @pytest.fixture(scope="module")
-def engines(cluster: Cluster, model: Path, logs: Path) -> Iterator[dict[str, EngineProcess]]:
+def engines(
+    cluster: Cluster, model: Path, logs: Path, request: pytest.FixtureRequest
+) -> Iterator[dict[str, EngineProcess]]:
     # Started together to overlap their start-up. B reads over tcp, so that a dead data
     # node is an outage it can see (shm would keep reading the dead node's mapped memory).
-    # C runs vLLM's engine core and worker in processes of their own, as `vllm serve` does.
+    # C runs vLLM's engine core and worker in processes of their own, as `vllm serve` does:
+    # only for the test that uses it (the slowest to start; not selected by -m per_index).
     started = {
         "A": EngineProcess("A", cluster.url(), model, logs),
         "B": EngineProcess("B", cluster.url(transport="tcp"), model, logs),
-        "C": EngineProcess("C", cluster.url(), model, logs, multiprocessing=True),
     }
+    if any(item.name == _USES_ENGINE_C for item in request.session.items):
+        started["C"] = EngineProcess("C", cluster.url(), model, logs, multiprocessing=True)
     try:
         for engine in started.values():
             ready = engine.reply(timeout=600)
@@ -227,6 +238,8 @@ def engines(cluster: Cluster, model: Path, logs: Path) -> Iterator[dict[str, Eng
                 print(f"  kv layout: {ready['layouts']}")
         yield started
     finally:
+        for engine in started.values():
+            engine.quit()
         for engine in started.values():
             engine.close()
 
@@ -242,6 +255,7 @@ def a_outputs(engines: dict[str, EngineProcess]) -> dict[str, dict[str, Any]]:
 # -- the tests, in order ------------------------------------------------------------------
 
 
+@pytest.mark.per_index
 def test_engine_a_stores_every_full_block_of_its_prompt(
     engines: dict[str, EngineProcess], a_outputs: dict[str, Any], client: kvfabric.Store
 ) -> None:
@@ -255,6 +269,7 @@ def test_engine_a_stores_every_full_block_of_its_prompt(
     assert client.batched_contains(engines["A"].keys(LONG)) == 64
 
 
+@pytest.mark.per_index
 def test_engine_b_loads_the_whole_prefix_and_reproduces_a(
     engines: dict[str, EngineProcess], a_outputs: dict[str, Any], cluster: Cluster
 ) -> None:
@@ -284,6 +299,7 @@ def test_engine_b_loads_the_whole_prefix_and_reproduces_a(
     assert rpcs == 0
 
 
+@pytest.mark.per_index
 def test_lookup_leaves_a_token_to_compute_skips_local_blocks_and_can_repeat(
     engines: dict[str, EngineProcess], a_outputs: dict[str, Any]
 ) -> None:
@@ -301,6 +317,7 @@ def test_lookup_leaves_a_token_to_compute_skips_local_blocks_and_can_repeat(
     assert local["counters"]["lookup_blocks"] == 6
 
 
+@pytest.mark.per_index
 def test_prompt_sharing_k_blocks_gets_exactly_k_blocks_of_hits(
     engines: dict[str, EngineProcess], a_outputs: dict[str, Any]
 ) -> None:
@@ -311,6 +328,7 @@ def test_prompt_sharing_k_blocks_gets_exactly_k_blocks_of_hits(
     assert out["counters"]["worker"]["loaded_blocks"] == K
 
 
+@pytest.mark.per_index
 def test_corrupted_block_is_a_load_error_recomputed_and_restored(
     engines: dict[str, EngineProcess], a_outputs: dict[str, Any], client: kvfabric.Store
 ) -> None:
@@ -345,6 +363,9 @@ def test_corrupted_block_is_a_load_error_recomputed_and_restored(
     restored = np.frombuffer(bytes(restored), dtype=np.float32)
     print(f"  restored block: max |diff| vs A's {np.abs(restored - original).max():.2e}")
     np.testing.assert_allclose(restored, original, rtol=1e-4, atol=1e-4)
+
+
+_USES_ENGINE_C = "test_engine_with_separate_worker_process_loads_the_prefix_too"
 
 
 def test_engine_with_separate_worker_process_loads_the_prefix_too(
@@ -399,6 +420,7 @@ def test_time_saved_on_a_shared_prefix(
     )
 
 
+@pytest.mark.per_index
 def test_dead_data_node_makes_loads_fail_or_miss_and_b_recomputes(
     engines: dict[str, EngineProcess], a_outputs: dict[str, Any], cluster: Cluster
 ) -> None:
@@ -413,6 +435,7 @@ def test_dead_data_node_makes_loads_fail_or_miss_and_b_recomputes(
     assert_same_output(a_outputs["shared"], out)
 
 
+@pytest.mark.per_index
 def test_dead_controller_makes_lookups_miss_and_b_recomputes(
     engines: dict[str, EngineProcess],
     a_outputs: dict[str, Any],
@@ -428,7 +451,8 @@ def test_dead_controller_makes_lookups_miss_and_b_recomputes(
     # records are) and is reported invalid, so B recomputes it: never a wrong value.
     assert_hits_failed_and_recomputed(out)
     assert_same_output(a_outputs["shared"], out)
-    # Past MAX_AGE the image is not trusted: every lookup misses.
+    # Past MAX_AGE the image is not trusted: every lookup misses (the age is what is
+    # tested, so this waits it out).
     time.sleep(max(0.0, killed_at + MAX_AGE + 0.5 - time.monotonic()))
     out = engines["B"].generate(SHARED, reset_prefix_cache=True, timeout=60)
     print(f"B, controller dead for over {MAX_AGE} s: counters {out['counters']}")

@@ -70,7 +70,9 @@ def make_model(model_dir: str) -> None:
         eos_token_id=2,
     )
     torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(model_dir, safe_serialization=True)
+    partial = f"{model_dir}.partial"
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(partial, safe_serialization=True)
+    os.rename(partial, model_dir)  # whole or absent: a model kept for reuse is never half written
 
 
 class Engine:

@@ -18,7 +18,7 @@ from typing import Any
 from model_shape import GPUS, REAL_MODELS, ModelShape, make_random_model
 from workloads import WORKLOADS
 
-__all__ = ["CONFIGS", "Config", "cpu_build", "log", "parse_args", "resolve_model"]
+__all__ = ["CONFIGS", "Config", "cpu_build", "parse_args", "resolve_model", "say"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ _SIZES: dict[str, tuple[Any, Any]] = {
 }
 
 
-def log(message: str) -> None:
+def say(message: str) -> None:
     print(f"[serving-bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
@@ -256,6 +256,6 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, Path, ModelShape]:
         f"llama-l{shape.layers}-h{shape.hidden}-a{shape.heads}-kv{shape.kv_heads}"
         f"-i{shape.intermediate}-v{shape.vocab}-{args.dtype}"
     )
-    log(f"random model: {directory} (made once, then reused)")
+    say(f"random model: {directory} (made once, then reused)")
     make_random_model(directory, shape, args.dtype)
     return str(directory), directory, ModelShape.from_config(directory, args.dtype, name=shape.name)

@@ -43,7 +43,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench_options import CONFIGS, cpu_build, log, parse_args, resolve_model
+from bench_options import CONFIGS, cpu_build, parse_args, resolve_model, say
 from engines import EngineFailed, EngineOptions, VllmServer
 from model_shape import GPUS, REAL_MODELS
 from openai_client import Sample, fetch_metrics, prompt_token_sources, run_workload
@@ -149,14 +149,14 @@ class Bench:
         config_args, env = self._config_args(config)
         self._engine_count += 1
         log = self.logs / f"engine-{self._engine_count}-{name}.log"
-        log(f"starting engine {name} ({config}); log {log}")
+        say(f"starting engine {name} ({config}); log {log}")
         engine = VllmServer(name, self.options, config_args, port=free_port(), log=log, env=env)
         try:
             seconds = engine.wait_ready(self.args.engine_timeout)
         except EngineFailed as exc:
             self.engines.append({"name": name, "config": config, "failed": str(exc)})
             raise
-        log(f"engine {name} ready in {seconds:.0f}s")
+        say(f"engine {name} ready in {seconds:.0f}s")
         try:
             self._check_and_warm(engine, config, seconds)
         except BaseException:
@@ -276,7 +276,7 @@ class Bench:
                     }
                 )
                 failed = sum(1 for s in samples if s.error)
-                log(
+                say(
                     f"{config} {run} {name}: {len(samples)} requests in {wall:.1f}s"
                     + (
                         f", {failed} failed: {next(s.error for s in samples if s.error)}"
@@ -307,7 +307,7 @@ class Bench:
         except EngineFailed as exc:
             for config in configs:
                 self.failed.setdefault(config, str(exc))
-            log(f"{', '.join(configs)}: did not run: {exc}")
+            say(f"{', '.join(configs)}: did not run: {exc}")
 
     def _single(self, config: str) -> None:
         engine = self.start(config, config)
@@ -370,7 +370,7 @@ class Bench:
                 url=self.args.kvfabric_url,
             )
             where = "given" if self.args.kvfabric_url else "controller and node on 127.0.0.1"
-            log(f"kvfabric: {where}, {self.tier.url()}")
+            say(f"kvfabric: {where}, {self.tier.url()}")
             block = self.args.block_size
             self.bandwidth = self.tier.measure_load(
                 layers=self.shape.layers, page_bytes=self.shape.page_bytes(block)
@@ -523,7 +523,7 @@ def _sources(engine: VllmServer) -> dict[str, float]:
     try:
         return prompt_token_sources(asyncio.run(fetch_metrics(engine.base)))
     except Exception as exc:
-        log(f"engine {engine.name}: no metrics ({type(exc).__name__}: {exc})")
+        say(f"engine {engine.name}: no metrics ({type(exc).__name__}: {exc})")
         return {}
 
 
@@ -539,7 +539,7 @@ def _version(*names: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.freeze_node_at is not None and args.transport != "tcp":
-        log(
+        say(
             "note: over shm an engine reads the node's memory itself (one-sided), so a stopped "
             "node does not stop its loads; --transport tcp shows what a remote node costs"
         )

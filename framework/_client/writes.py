@@ -102,6 +102,30 @@ class Writes:
                 )
         self._prefetch.drop(keys)
         self._counters.add("puts")
+        outcomes = self._rounds(keys, pieces, lengths)
+        # The controller lets one client hold only so much reserved at once: a put larger
+        # than that gets NO_SPACE for what did not fit while the rest was stored. What was
+        # stored is published now, its reservation released: store the rest in further
+        # passes, for as long as each pass stores something (a store that is really full
+        # stores nothing, and the keys stay NO_SPACE).
+        progress = PutOutcome.STORED in outcomes
+        while progress:
+            left = [i for i, o in enumerate(outcomes) if o is PutOutcome.NO_SPACE]
+            if not left:
+                break
+            again = self._rounds(
+                [keys[i] for i in left], [pieces[i] for i in left], [lengths[i] for i in left]
+            )
+            progress = PutOutcome.STORED in again
+            # Counted once, as what they finally are: the pass counted the ones still left.
+            self._counters.add("no_space", -len(left))
+            for i, outcome in zip(left, again, strict=True):
+                outcomes[i] = outcome
+        return outcomes
+
+    def _rounds(
+        self, keys: Sequence[bytes], pieces: Sequence[list[memoryview]], lengths: Sequence[int]
+    ) -> list[PutOutcome]:
         if len(keys) <= PUT_ROUND_KEYS:
             return self._put_round(keys, pieces, lengths)
         outcomes: list[PutOutcome] = []

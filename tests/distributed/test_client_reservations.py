@@ -129,3 +129,24 @@ def test_a_bound_in_bytes_refuses_only_past_it() -> None:
             assert kinds["GRANTED"] == (4 << 20) // (_VALUE + 64)
         finally:
             _stop(greedy)
+
+
+def test_one_put_larger_than_a_clients_bound_is_stored_whole() -> None:
+    """An honest put of more than one client may hold reserved at once: what did not fit
+    comes back NO_SPACE from the controller, and the client stores it in further passes once
+    the first is published (its reservation released), so every key is stored."""
+    with (
+        Cluster(
+            nodes=1,
+            transports=("tcp",),
+            capacity="64MiB",
+            controller_args=["--max-client-bytes", "1MiB"],
+        ) as cluster,
+        kvfabric.connect(cluster.url(transport="tcp", lookup_image="0")) as store,
+    ):
+        keys = chain_keys(list(range(48)), 1, namespace=uuid.uuid4().bytes)
+        values = [bytes([i]) * _VALUE for i in range(48)]  # 3 MiB in all
+        assert store.batched_put(keys, values) == [PutOutcome.STORED] * 48
+        assert store.stats()["no_space"] == 0
+        got = store.batched_get(keys)
+        assert [bytes(g) if g is not None else None for g in got] == values

@@ -58,14 +58,6 @@ MODELS: dict[str, dict[str, int]] = {
         num_key_value_heads=4,
         vocab_size=152064,
     ),
-    "llama-3.1-70b-1/8": dict(  # one of 8 tensor-parallel ranks' worth of layers' KV: not a model
-        num_hidden_layers=80,
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=128256,
-    ),
     "tiny": dict(  # for a run on a CPU, to check the script
         num_hidden_layers=4,
         hidden_size=256,
@@ -207,7 +199,8 @@ def run(args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
     longest = max(args.lengths)
     capacity = int(longest * kv_per_token * 1.3) + (256 << 20)
-    with _deployment(capacity, args.transports) as cluster, torch.inference_mode():
+    names = sorted({t.partition("?")[0] for t in args.transports})
+    with _deployment(capacity, names) as cluster, torch.inference_mode():
         for length in args.lengths:
             chunks = (length - 1) // args.chunk  # full chunks, leaving at least one token
             tokens = torch.randint(0, config.vocab_size, (1, length), device=device)
@@ -237,11 +230,14 @@ def run(args: argparse.Namespace) -> list[Row]:
                 pin_memory=device.startswith("cuda"),
             )
             for transport in args.transports:
+                name, _, extra = transport.partition("?")
+                options = dict(pair.split("=", 1) for pair in extra.split("&") if pair)
                 url = cluster.url(
-                    transport=transport,
+                    transport=name,
                     timeout="30s",
                     control_timeout="30s",
                     max_value=str(layout.value_bytes),
+                    **options,
                 )
                 with kvfabric.connect(url) as store:
                     outcomes = store.batched_put(keys, values)
@@ -331,7 +327,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 8192, 32768]
     )
-    parser.add_argument("--transports", type=lambda s: s.split(","), default=["shm", "tcp"])
+    parser.add_argument(
+        "--transports",
+        type=lambda s: s.split(","),
+        default=["shm", "tcp"],
+        help="transports to load over, each with URL options if wanted: "
+        "shm,shm?shm.copy_threads=1,tcp?tcp.read_lanes=4",
+    )
     parser.add_argument("--chunk", type=int, default=256, help="tokens per stored value")
     parser.add_argument(
         "--repeat", type=int, default=3, help="samples per measurement (best/median)"

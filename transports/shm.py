@@ -21,8 +21,9 @@ import mmap
 import os
 import struct
 
+from kvfabric._runtime.cpus import usable_cpus
 from kvfabric._runtime.native import copy_many, prefault
-from kvfabric.errors import NotSupportedError, TransportError
+from kvfabric.errors import ConfigError, NotSupportedError, TransportError
 from kvfabric.spi import (
     Batch,
     Capabilities,
@@ -108,6 +109,8 @@ class _ShmClient(PeerClient[_Mappings]):
         super().__init__(config)
         self._host = host_identity()
         self._prefault = bool(config.options.get("prefault", True))
+        # The default is "auto", handed over unparsed: parsed here, where the CPUs are.
+        self._threads = parse_copy_threads(config.options.get("copy_threads", "auto"))
 
     def reachable(self, endpoint: NodeEndpoint) -> bool:
         if endpoint.address != self._host:
@@ -140,7 +143,7 @@ class _ShmClient(PeerClient[_Mappings]):
         for seg in batch.segments:
             region = peer[seg.region].view
             pairs.append((seg.buffer, region[seg.offset : seg.offset + seg.buffer.nbytes]))
-        crcs = copy_many(pairs, batch.crc_spans)
+        crcs = copy_many(pairs, batch.crc_spans, threads=self._threads)
         if batch.crc_spans is not None:
             batch.crcs = crcs
 
@@ -149,7 +152,7 @@ class _ShmClient(PeerClient[_Mappings]):
         for seg in batch.segments:
             region = peer[seg.region].view
             pairs.append((region[seg.offset : seg.offset + seg.buffer.nbytes], seg.buffer))
-        crcs = copy_many(pairs, batch.crc_spans, crc_of_source=True)
+        crcs = copy_many(pairs, batch.crc_spans, crc_of_source=True, threads=self._threads)
         if batch.crc_spans is not None:
             batch.crcs = crcs
 
@@ -195,6 +198,30 @@ def _map(handle: RegionHandle, *, populate: bool) -> _Mapped:
     return mapped
 
 
+_COPY_THREADS_MAX = 16
+# One copying thread per this many CPUs the process may keep busy, so a large read takes a
+# share of a big host's cores and none extra of a small one's.
+_CPUS_PER_COPY_THREAD = 4
+
+
+def parse_copy_threads(text: str | int) -> int:
+    """``shm.copy_threads``: ``auto`` or 1 to 16 threads copying one large batch at once.
+
+    ``auto`` is one thread per 4 CPUs this process may keep busy (at most 8): 1 on a host of
+    2 or 3, 4 on a host of 16. One core's copy with its CRC is slower than the memory a
+    large host reads from; on a small one, more threads take CPU from the engine beside.
+    """
+    if isinstance(text, str) and text.strip().lower() == "auto":
+        return max(1, min(8, usable_cpus() // _CPUS_PER_COPY_THREAD))
+    try:
+        threads = int(text)
+    except ValueError:
+        raise ConfigError(f"shm.copy_threads is auto or 1 to 16, not {text!r}") from None
+    if not 1 <= threads <= _COPY_THREADS_MAX:
+        raise ConfigError(f"shm.copy_threads is auto or 1 to 16, not {text!r}")
+    return threads
+
+
 class ShmTransport(Transport):
     name = "shm"
     # Same host only, and one-sided: the best choice wherever it reaches.
@@ -206,6 +233,13 @@ class ShmTransport(Transport):
             default=True,
             help="populate the client's mapping of each region at connect (only where the "
             "node's memory is allocated in full), so the first put does not trap per page",
+        ),
+        OptionSpec(
+            name="copy_threads",
+            parse=parse_copy_threads,
+            default="auto",
+            help="threads that copy one read or write of 32MiB or more at once (1-16); auto is "
+            "one per 4 CPUs this process may use, at most 8 (1 on a host of 2 or 3 CPUs)",
         ),
     )
     capabilities = Capabilities(

@@ -35,6 +35,7 @@ def copy_many(
     pairs: Sequence[tuple[WriteableBuffer, ReadableBuffer]],
     crc_spans: Sequence[tuple[int, int]] | None = None,
     crc_of_source: bool = False,
+    threads: int = 1,
 ) -> list[int]: ...
 
 # prefault.c
@@ -100,6 +101,7 @@ def request_reply_lanes(
 # module.c
 def gil_reacquisitions() -> int: ...
 def gil_handoffs() -> int: ...
+def parallel_copies() -> int: ...
 
 # mutex.c
 class Mutex:

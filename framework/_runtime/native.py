@@ -70,6 +70,7 @@ __all__ = [
     "gil_handoffs",
     "gil_reacquisitions",
     "pack_headers",
+    "parallel_copies",
     "prefault",
     "recv_into_all",
     "request_reply",
@@ -160,6 +161,7 @@ def copy_many(
     crc_spans: Spans | None = None,
     *,
     crc_of_source: bool = False,
+    threads: int = 1,
 ) -> list[int]:
     """Copy each ``(dest, src)``: all of ``src`` into the start of ``dest``.
 
@@ -188,8 +190,13 @@ def copy_many(
     thread takes the GIL back, so the wait for the GIL beside a busy Python thread (about
     one switch interval) overlaps the copy instead of following it, and a large read beside
     a busy thread keeps most of the rate it has alone (:func:`gil_handoffs` counts these).
+
+    ``threads`` > 1: a batch of 32 MiB or more is cut at span boundaries into that many parts
+    of about equal bytes, copied at once on as many threads (this one among them), for
+    hosts where one core's copy is slower than the memory it reads (:func:`parallel_copies`
+    counts these; such a batch is not handed over as above).
     """
-    return _native.copy_many(pairs, crc_spans, crc_of_source)
+    return _native.copy_many(pairs, crc_spans, crc_of_source, threads)
 
 
 def prefault(buffer: ReadableBuffer, *, write: bool = True, force_touch: bool = False) -> bool:
@@ -385,6 +392,11 @@ def gil_reacquisitions() -> int:
     socket wait.
     """
     return _native.gil_reacquisitions()
+
+
+def parallel_copies() -> int:
+    """:func:`copy_many` batches this thread ran on several threads at once."""
+    return _native.parallel_copies()
 
 
 def gil_handoffs() -> int:

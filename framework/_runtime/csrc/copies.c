@@ -160,13 +160,65 @@ void run_then_take_gil(BatchJob *j, size_t total, int64_t interval_ns, PyThreadS
     TAKE_GIL(*ts);
 }
 
+/* Run `j`'s items on `threads` threads at once (the caller one of them), cut at span
+   boundaries into parts of about equal bytes, with the GIL released by the caller; every
+   part's stores are ordered before the caller's later ones by the joins. A part whose
+   thread cannot start runs on the caller. */
+static void run_parallel(BatchJob *j, size_t total, int threads) {
+    enum { MAX_THREADS = 16 };
+    BatchJob parts[MAX_THREADS];
+    pthread_t helpers[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    if (threads > MAX_THREADS)
+        threads = MAX_THREADS;
+    size_t share = total / (size_t)threads, acc = 0;
+    int count = 0;
+    Py_ssize_t start = j->item;
+    for (Py_ssize_t i = j->item; i < j->n && count < threads - 1; i++) {
+        size_t len = (size_t)(j->kind == JOB_CRC ? j->v[i].len : j->v[2 * i + 1].len);
+        acc += len;
+        /* A span's CRC runs through its items in order: never cut inside one. */
+        int cut_here = i + 1 < j->n && (j->span_of[i + 1] < 0 || j->span_of[i + 1] != j->span_of[i]);
+        if (acc >= share * (size_t)(count + 1) && cut_here) {
+            parts[count] = *j;
+            parts[count].item = start;
+            parts[count].at = 0;
+            parts[count].n = i + 1;
+            count++;
+            start = i + 1;
+        }
+    }
+    parts[count] = *j;
+    parts[count].item = start;
+    parts[count].at = 0;
+    count++;
+    sigset_t all, mask;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &mask);
+    for (int t = 1; t < count; t++)
+        started[t] = pthread_create(&helpers[t], NULL, run_thread, &parts[t]) == 0;
+    pthread_sigmask(SIG_SETMASK, &mask, NULL);
+    run_range(&parts[0]);
+    for (int t = 1; t < count; t++) {
+        if (started[t])
+            pthread_join(helpers[t], NULL);
+        else
+            run_range(&parts[t]);
+    }
+    parallel_copies++;
+}
+
 PyObject *py_copy_many(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"pairs", "crc_spans", "crc_of_source", NULL};
+    static char *kwlist[] = {"pairs", "crc_spans", "crc_of_source", "threads", NULL};
     PyObject *pairs, *spans = Py_None;
-    int of_source = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|Op:copy_many", kwlist, &pairs, &spans,
-                                     &of_source))
+    int of_source = 0, threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|Opi:copy_many", kwlist, &pairs, &spans,
+                                     &of_source, &threads))
         return NULL;
+    if (threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "copy_many: threads must be at least 1");
+        return NULL;
+    }
     const char *func = "copy_many";
     PyObject *fast = PySequence_Fast(pairs, "copy_many: pairs must be a sequence of (dest, src)");
     if (!fast)
@@ -211,6 +263,11 @@ PyObject *py_copy_many(PyObject *self, PyObject *args, PyObject *kwargs) {
     BatchJob job = {vs.v, span_of, crcs, n, of_source ? JOB_COPY_CRC_OF_SOURCE : JOB_COPY, 0, 0};
     if (total < GIL_RELEASE_MIN) {
         run_range(&job);
+    } else if (threads > 1 && total >= PARALLEL_MIN && n > 1) {
+        PyThreadState *ts;
+        RELEASE_GIL(ts);
+        run_parallel(&job, total, threads);
+        TAKE_GIL(ts);
     } else {
         int64_t interval_ns = total < HANDOFF_MIN ? 0 : switch_interval_ns();
         PyThreadState *ts;

@@ -39,6 +39,7 @@ PyObject *PeerClosed;
 size_t iov_max;
 _Thread_local unsigned long long reacquired;
 _Thread_local unsigned long long handed_off;
+_Thread_local unsigned long long parallel_copies;
 
 static PyObject *py_gil_reacquisitions(PyObject *self, PyObject *unused) {
     return PyLong_FromUnsignedLongLong(reacquired);
@@ -46,6 +47,10 @@ static PyObject *py_gil_reacquisitions(PyObject *self, PyObject *unused) {
 
 static PyObject *py_gil_handoffs(PyObject *self, PyObject *unused) {
     return PyLong_FromUnsignedLongLong(handed_off);
+}
+
+static PyObject *py_parallel_copies(PyObject *self, PyObject *unused) {
+    return PyLong_FromUnsignedLongLong(parallel_copies);
 }
 
 static PyMethodDef methods[] = {
@@ -57,8 +62,8 @@ static PyMethodDef methods[] = {
      "crc32c_many(values, initial=None) -> list[int]: one CRC32C per value (a buffer or a "
      "sequence of pieces)."},
     {"copy_many", (PyCFunction)(void (*)(void))py_copy_many, METH_VARARGS | METH_KEYWORDS,
-     "copy_many(pairs, crc_spans=None, crc_of_source=False) -> list[int]: copy each (dest, "
-     "src); CRC32C per span."},
+     "copy_many(pairs, crc_spans=None, crc_of_source=False, threads=1) -> list[int]: copy "
+     "each (dest, src); CRC32C per span."},
     {"prefault", (PyCFunction)(void (*)(void))py_prefault, METH_VARARGS | METH_KEYWORDS,
      "prefault(buffer, write=True, force_touch=False) -> bool: fault in every page of buffer."},
     {"send_all", (PyCFunction)(void (*)(void))py_send_all, METH_VARARGS | METH_KEYWORDS,
@@ -90,6 +95,8 @@ static PyMethodDef methods[] = {
      "until done."},
     {"gil_reacquisitions", py_gil_reacquisitions, METH_NOARGS,
      "gil_reacquisitions() -> int: times this module took the GIL back, in this thread."},
+    {"parallel_copies", py_parallel_copies, METH_NOARGS,
+     "parallel_copies() -> int: copy_many batches this thread ran on several threads."},
     {"gil_handoffs", py_gil_handoffs, METH_NOARGS,
      "gil_handoffs() -> int: batches (copies, a ucx get's CRCs) this thread ended on a "
      "helper thread while it took the GIL back."},

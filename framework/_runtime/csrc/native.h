@@ -32,11 +32,14 @@
    while the calling thread waits for the GIL (run_then_take_gil); below it a thread's start
    costs more than the overlap can save. */
 #define HANDOFF_MIN (8u << 20)
+/* A copy_many batch this large may run on several threads (its `threads` argument). */
+#define PARALLEL_MIN (32u << 20)
 
 /* Per thread: times this module took the GIL back (gil_reacquisitions) and batches ended
    on a helper thread meanwhile (gil_handoffs). Defined in module.c. */
 extern _Thread_local unsigned long long reacquired;
 extern _Thread_local unsigned long long handed_off;
+extern _Thread_local unsigned long long parallel_copies;
 
 #define RELEASE_GIL(ts) ((ts) = PyEval_SaveThread())
 #define TAKE_GIL(ts)                                                                         \

@@ -416,7 +416,9 @@ def _transport(
 
 
 def _controller(out: _Families, counters: dict[str, int], image: bool) -> None:
-    for counter, value in counters.items():
+    # Every named counter from the start, 0 until it counts (the controller adds some only
+    # when they first happen): a query of one finds a series at once.
+    for counter, value in {**dict.fromkeys(_CONTROLLER, 0), **counters}.items():
         if counter in _CONTROLLER_SUMS:
             continue
         if counter.startswith("rpc_"):

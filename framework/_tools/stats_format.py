@@ -4,8 +4,9 @@ The controller reports scopes of counters: ``controller`` (its RPCs and refusals
 (capacity, entries, hits, dedup, evictions, ...), ``clients`` (what its clients reported
 they looked up, read and wrote, and how long their calls took: :mod:`kvfabric._wire.usage`)
 and one ``node ID NAME`` scope per data node (capacity and each transport server's counters,
-as of its last heartbeat). The summary's hit rate is the clients' where they reported any. The Prometheus form is written by
-:mod:`kvfabric._tools.metrics`, the same collector the ``--metrics-port`` endpoint serves.
+as of its last heartbeat). The summary's hit rate is the clients' where they reported any.
+The Prometheus form is written by :mod:`kvfabric._tools.metrics`, the collector the
+``--metrics-port`` endpoints serve.
 """
 
 from __future__ import annotations

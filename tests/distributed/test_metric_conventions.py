@@ -53,7 +53,8 @@ def expositions() -> Iterator[dict[str, str]]:
             store.batched_put(keys[:4], [b"v" * 100] * 4)
             store.batched_contains(keys)
             store.batched_get(keys)
-        assert cluster.controller is not None and cluster.nodes[0] is not None
+        assert cluster.controller is not None
+        assert cluster.nodes[0] is not None
         controller_text = wait_for(
             "the client's report in the controller's metrics",
             lambda: _scrape(cluster.controller.ready_line),  # type: ignore[union-attr]

@@ -95,7 +95,7 @@ def test_the_endpoints_have_help_and_type_lines_and_type_levels_as_gauges(
     assert types["kvfabric_client_operation_duration_seconds"] == "histogram"
     samples = _samples(text)
     assert samples["kvfabric_up"] == 1.0
-    assert samples['kvfabric_build_info{version="%s"}' % kvfabric.__version__] == 1.0
+    assert samples[f'kvfabric_build_info{{version="{kvfabric.__version__}"}}'] == 1.0
     assert "process_resident_memory_bytes" in samples
     # The nodes serve their own counters: the controller's endpoint leaves them out.
     assert not [name for name in types if name.startswith("kvfabric_node_")]

@@ -46,7 +46,8 @@ def test_a_failed_report_is_dropped_and_the_next_sends_only_what_came_after() ->
     reporter = UsageReporter(send, counters, times, interval=0)
     counters.update(lookup_keys=10, prefix_hits=4)
     reporter.report()
-    assert sent == [] and counters.snapshot()["usage_reports_dropped"] == 1
+    assert sent == []
+    assert counters.snapshot()["usage_reports_dropped"] == 1
     fail[0] = False
     counters.update(lookup_keys=3, prefix_hits=3)
     times.observe(LOOKUP, 1)

@@ -96,14 +96,16 @@ def test_every_family_follows_the_conventions(expositions: dict[str, str], serve
     for family in families:
         where = f"{server}: {family.name}"
         assert family.name.startswith(("kvfabric_", "process_", "python_")), where
-        assert "_ms" not in family.name and "millis" not in family.name, where
+        assert "_ms" not in family.name, where
+        assert "millis" not in family.name, where
         assert family.documentation.strip(), where
         assert not _FALLBACK_HELP.search(family.documentation), f"{where}: filler HELP"
         for sample in family.samples:
             if family.type == "counter":
                 assert sample.name.endswith(("_total", "_created")), f"{where}: {sample.name}"
             # A node is labelled by the name it keeps across restarts, never by its id.
-            assert "name" not in sample.labels and "id" not in sample.labels, where
+            assert "name" not in sample.labels, where
+            assert "id" not in sample.labels, where
         base = family.name.removesuffix("_total")
         for unit in ("bytes", "seconds"):
             if unit in base.split("_"):

@@ -132,6 +132,10 @@ class RemoteOptions(ClientOptions):
     """After the controller failed to answer, calls fail fast this long before retrying."""
     secret_file: str | None = None
     """File holding the deployment's shared secret (else ``KVFABRIC_SECRET``, if set)."""
+    report_interval: float = 5.0
+    """Seconds between this client's usage reports to the controller (keys looked up, read
+    and written, and its calls' durations: the fleet's hit rate in ``kvfabric stats`` and
+    the controller's metrics); 0 reports only when the store closes."""
 
 
 def _duration(
@@ -160,6 +164,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "control_timeout": _duration(above=0.0),
     "retry_interval": _duration(at_least=0.0),
     "secret_file": str,
+    "report_interval": _duration(at_least=0.0),
 }
 
 SCHEMES: dict[str, type[ClientOptions]] = {

@@ -100,6 +100,8 @@ def _open_controlled(
         records=RecordIO(clients, list(clients)),
         on_close=[control.close],
         locate_image=locate_image if options.lookup_image else None,
+        report_usage=index.report_usage,
+        report_interval=options.report_interval,
     )
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import zmq
 
 from kvfabric._control.client_requests import CLIENT_TYPES, ClientRequests
+from kvfabric._control.client_usage import ClientUsage
 from kvfabric._control.image_publisher import ImagePublisher
 from kvfabric._control.node_members import NodeMembers
 from kvfabric._control.refusal import Handler, Refusal
@@ -106,9 +107,11 @@ class Controller:
         self._reservations = Reservations(
             reservation_limits or ReservationLimits(), self._capacity_now, self._counters
         )
+        self._usage = ClientUsage()
         self._handlers: dict[int, Handler] = {
             **ClientRequests(index, self._image, self._reservations).handlers,
             **self._nodes.handlers,
+            **self._usage.handlers,
             MsgType.STATS: self._stats,
         }
 
@@ -296,6 +299,7 @@ class Controller:
             "rpcs": 0,
             "node_rpcs": 0,
             "touch_rpcs": 0,
+            "usage_rpcs": 0,
             "image_endpoints": len(self.image.endpoints) if self.image else 0,
             "bad_frames": 0,
             "refused": 0,
@@ -310,7 +314,11 @@ class Controller:
         }
         if self._image.restarts:
             controller["image_server_restarts"] = self._image.restarts
-        scopes = {"controller": controller, "index": self.index.stats()}
+        scopes = {
+            "controller": controller,
+            "index": self.index.stats(),
+            "clients": self._usage.stats(),
+        }
         scopes.update(self._nodes.stats_scopes())
         w = Writer().u32(len(scopes))
         for scope, counters in scopes.items():
@@ -321,9 +329,12 @@ class Controller:
 
 def _kind_of(msg_type: int) -> str:
     """Which counter a request adds to: clients' lookups and writes ("rpcs"), clients' use
-    reports sent off the lookup path ("touch_rpcs"), or data nodes' requests."""
+    and usage reports sent off the lookup path ("touch_rpcs", "usage_rpcs"), or data nodes'
+    requests."""
     if msg_type in CLIENT_TYPES:
         return "rpcs"
+    if msg_type == MsgType.USAGE:
+        return "usage_rpcs"
     return "touch_rpcs" if msg_type == MsgType.TOUCH else "node_rpcs"
 
 

@@ -132,13 +132,23 @@ def _controller_stats(endpoint: Callable[[], str], args: argparse.Namespace) -> 
 
 
 @contextmanager
-def _metrics(args: argparse.Namespace, fetch: Callable[[], Scopes], source: str) -> Iterator[str]:
-    """Serve ``fetch``'s counters on ``--metrics-port`` if given; yields the ready-line part."""
+def _metrics(
+    args: argparse.Namespace,
+    fetch: Callable[[], Scopes],
+    source: str,
+    *,
+    nodes: bool = True,
+    image: bool = True,
+) -> Iterator[str]:
+    """Serve ``fetch``'s counters on ``--metrics-port`` if given; yields the ready-line part.
+    ``nodes``/``image``: whether this process exports its nodes' and its lookup image's
+    servers' counters (each value by the process that owns it)."""
     if args.metrics_port is None:
         yield ""
         return
     host = check_host(args.metrics_host, "--metrics-host")
-    server = MetricsServer(ScopesCollector(fetch, source), host, args.metrics_port)
+    collector = ScopesCollector(fetch, source, nodes=nodes, image=image)
+    server = MetricsServer(collector, host, args.metrics_port)
     try:
         yield f"; metrics at {server.url}"
     finally:
@@ -146,11 +156,17 @@ def _metrics(args: argparse.Namespace, fetch: Callable[[], Scopes], source: str)
 
 
 def _controller_metrics(
-    args: argparse.Namespace, controller: Controller
+    args: argparse.Namespace, controller: Controller, *, serve: bool = False
 ) -> AbstractContextManager[str]:
-    """The controller's counters (asked of it once it is bound) on ``--metrics-port``."""
+    """The controller's counters (asked of it once it is bound) on ``--metrics-port``: a
+    controller's own, or in ``serve`` its node's too, without the image's servers (they are
+    the node's)."""
     return _metrics(
-        args, lambda: _controller_stats(lambda: controller.endpoint, args), "the controller"
+        args,
+        lambda: _controller_stats(lambda: controller.endpoint, args),
+        "the controller",
+        nodes=serve,
+        image=not serve,
     )
 
 
@@ -285,7 +301,7 @@ def run_serve(args: argparse.Namespace) -> int:
     controller = controller_from(args, credentials, index, node.servers)
     agents: list[NodeAgent] = []
     try:
-        with _controller_metrics(args, controller) as metrics:
+        with _controller_metrics(args, controller, serve=True) as metrics:
             _stop_on_signals(controller.stop)
 
             def ready(endpoint: str) -> None:

@@ -119,6 +119,9 @@ class TransportConfig:
     """Bound on one batched call; a node that does not answer in time is a miss."""
     token: bytes = b""
     """Shared secret a server may require of its clients."""
+    tenant_tokens: tuple[bytes, ...] = ()
+    """Further keys a server admits clients by: each tenant's data-plane key (a server
+    without ``token`` admits anyone, and ignores these)."""
     options: Mapping[str, Any] = attrs.field(factory=dict)
     """The transport's declared options, parsed (every one present, defaulted if not given)."""
 

@@ -115,13 +115,16 @@ class Gate:
         *,
         key: bytes,
         tls: ssl.SSLContext | None,
+        tenant_keys: tuple[bytes, ...] = (),
         max_pending: int,
         handshake_timeout: float,
         admission: Admission,
         counters: Counters,
     ) -> None:
         self._listener = listener
-        self._key = key
+        # A tenant's client proves its tenant's key instead of the deployment's (only where
+        # the node has a key at all: a node without one admits anyone).
+        self._keys = (key, *tenant_keys) if key else (key,)
         self._tls = tls
         self._flags = FLAG_TLS if tls is not None else 0
         self._max_pending = max(1, max_pending)
@@ -315,13 +318,22 @@ class Gate:
                 _check_hello_header(pending.inbox)
         body = pending.inbox[HEADER.size :]
         client_nonce, proof = bytes(body[:NONCE_SIZE]), bytes(body[NONCE_SIZE:])
-        expected = client_proof(self._key, self._flags, pending.nonce, client_nonce)
-        if not hmac.compare_digest(proof, expected):
+        key = next(
+            (
+                key
+                for key in self._keys
+                if hmac.compare_digest(
+                    proof, client_proof(key, self._flags, pending.nonce, client_nonce)
+                )
+            ),
+            None,
+        )
+        if key is None:
             raise _Refuse(Code.AUTH_FAILED, "auth_failures")
         pending.slot = self._admission.reserve()
         if pending.slot is None:
             raise _Refuse(Code.BUSY, "connections_refused")
-        ours = server_proof(self._key, self._flags, pending.nonce, client_nonce)
+        ours = server_proof(key, self._flags, pending.nonce, client_nonce)
         pending.out = memoryview(pack_header(Op.HELLO, Code.OK, len(ours), 0) + ours)
         pending.phase = _Phase.REPLY
         return True

@@ -186,6 +186,7 @@ class TcpServer(TransportServer):
             self._listener,
             key=config.token,
             tls=tls,
+            tenant_keys=config.tenant_tokens,
             max_pending=limits.max_pending,
             handshake_timeout=limits.handshake_timeout,
             admission=self,

@@ -54,8 +54,10 @@ def open_remote(options: RemoteOptions, host: str, port: int, plugins: PluginMan
     if tenant is not None:
         assert options.controller_key is not None
         credentials: Credentials | None = tenant.client_credentials(options.controller_key)
-        # Extents are leased to no tenant: its puts allocate per batch.
-        options = attrs.evolve(options, extents=False)
+        # Extents are leased to no tenant (its puts allocate per batch), and the lookup
+        # image, every tenant's, is not read to it (it asks the controller, which keeps
+        # tenants apart).
+        options = attrs.evolve(options, extents=False, lookup_image=False)
     else:
         secret = load_secret(options.secret_file)
         credentials = Credentials.from_secret(secret) if secret else None

@@ -2,7 +2,7 @@
 
 ``kvfabric://HOST:PORT?tenant=NAME&secret_file=FILE&controller_key=KEY`` connects as tenant
 NAME. The caller's keys are its own content addresses, as anywhere; this store turns each
-into ``BLAKE2b(key, key=scope)[:28] ‖ tag`` (:class:`~kvfabric._control.tenant_keys.TenantKeys`)
+into a keyed hash carrying the tenant's tag (:class:`~kvfabric._control.tenant_keys.TenantKeys`)
 at the door, and everything inside — the lookup image it probes, the prefetch cache, the
 records it writes and validates, what it asks the controller — works on those. The
 controller does not rely on it: it sets the tag on whatever a tenant's connection sends

@@ -31,7 +31,7 @@ from kvfabric._control.refusal import Handler, Refusal
 from kvfabric._control.reservations import Reservations
 from kvfabric._control.tenant_config import TenantSpec
 from kvfabric._control.tenant_index import TenantIndexView
-from kvfabric._control.tenant_keys import TAG_SIZE
+from kvfabric._control.tenant_keys import TAG
 from kvfabric._control.tenant_ledger import TenantLedger
 from kvfabric._runtime.codec import Reader
 from kvfabric._runtime.record import HEADER_SIZE
@@ -109,9 +109,9 @@ class TenantGate:
     # -- upkeep -----------------------------------------------------------------------------
 
     def restored(self, records: Sequence[Descriptor]) -> None:
-        by_tag, cut = self._by_tag, -TAG_SIZE
+        by_tag = self._by_tag
         for record in records:
-            tenant = by_tag.get(record.key[cut:])
+            tenant = by_tag.get(record.key[TAG])
             if tenant is not None:
                 tenant.ledger.restored(record.key, HEADER_SIZE + record.length)
 

@@ -5,10 +5,10 @@ A :class:`TenantIndexView` stands in for the index behind a tenant's
 is decoded and answered exactly as any client's, after two things the controller does
 whatever the client sent:
 
-- **every key is made the tenant's**: its last :data:`TAG_SIZE` bytes are set to the
-  tenant's tag (a well-behaved client sends them so already), so lookups, reads, writes,
-  deletes, use reports and invalid-record reports reach only the tenant's namespace; a key
-  of another tenant's, sent as it is, becomes a key of this tenant's and misses;
+- **every key is made the tenant's**: its tag bytes (8 to 12) are set to the tenant's tag
+  (a well-behaved client sends them so already), so lookups, reads, writes, deletes, use
+  reports and invalid-record reports reach only the tenant's namespace; a key of another
+  tenant's, sent as it is, becomes a key of this tenant's and misses;
 - **writes stay within the quota**: before the index grants anything, the tenant's own
   least recently used values are removed until what it holds and has reserved, plus what
   it asks for, fits (:class:`~kvfabric._control.tenant_ledger.TenantLedger`); what cannot
@@ -27,7 +27,6 @@ from typing import Any
 import attrs
 
 from kvfabric._control.refusal import Refusal
-from kvfabric._control.tenant_keys import TAG_SIZE
 from kvfabric._control.tenant_ledger import TenantLedger
 from kvfabric._runtime.record import HEADER_SIZE
 from kvfabric._wire.protocol import ErrorCode
@@ -58,7 +57,6 @@ class TenantIndexView:
     def __init__(self, index: IndexPlugin, tag: bytes, ledger: TenantLedger) -> None:
         self._index = index
         self._tag = tag
-        self._cut = -TAG_SIZE
         self.ledger = ledger
         self.evicted_elsewhere = False
         """Whether the index evicted entries while serving this tenant (so any tenant's
@@ -66,12 +64,15 @@ class TenantIndexView:
 
     def own(self, keys: Sequence[bytes]) -> list[bytes]:
         """``keys`` made this tenant's (unchanged where they already are)."""
-        tag, cut = self._tag, self._cut
-        return [k if k[cut:] == tag else k[:cut] + tag for k in keys]
+        tag = self._tag
+        return [k if k[8:12] == tag else k[:8] + tag + k[12:] for k in keys]
 
     def _own_grants(self, grants: Sequence[GrantRef]) -> list[GrantRef]:
-        tag, cut = self._tag, self._cut
-        return [g if g.key[cut:] == tag else attrs.evolve(g, key=g.key[:cut] + tag) for g in grants]
+        tag = self._tag
+        return [
+            g if g.key[8:12] == tag else attrs.evolve(g, key=g.key[:8] + tag + g.key[12:])
+            for g in grants
+        ]
 
     # -- lookups ------------------------------------------------------------------------
 
@@ -101,9 +102,10 @@ class TenantIndexView:
     # -- writes -------------------------------------------------------------------------
 
     def allocate(self, requests: Sequence[AllocationRequest]) -> AllocateResult:
-        tag, cut = self._tag, self._cut
+        tag = self._tag
         requests = [
-            r if r.key[cut:] == tag else attrs.evolve(r, key=r.key[:cut] + tag) for r in requests
+            r if r.key[8:12] == tag else attrs.evolve(r, key=r.key[:8] + tag + r.key[12:])
+            for r in requests
         ]
         admitted = self._make_room(requests)
         result = self._index.allocate(requests[:admitted])

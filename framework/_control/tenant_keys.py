@@ -9,11 +9,16 @@ A tenant is named on the controller (``--tenants FILE``) and in its clients' URL
 - the tenant's ``tcp`` data-plane key (scrypt, as the deployment's), which nodes accept
   beside the deployment's;
 - the *scope key*, with which the client turns each of its keys into the index key it is
-  stored under: ``BLAKE2b(key, key=scope)[:28] ‖ tag``. The 4-byte tag names the tenant
-  (from its name); the controller sets it on every key a tenant's frame carries, so a
-  tenant can address only keys with its own tag, whatever bytes it sends. The keyed hash
-  keeps the lookup image, which every reader of it sees, from telling anyone without the
-  tenant's secret which prompts the tenant stored.
+  stored under: the keyed hash ``h = BLAKE2b(key, key=scope)`` with bytes 8 to 12 replaced
+  by the tenant's 4-byte tag (from its name). The controller sets the tag on every key a
+  tenant's frame carries, so a tenant can address only keys with its own tag, whatever
+  bytes it sends. The tag lies in bytes 8 to 16, which the index's lookup image keeps of
+  each key and compares (bytes 0 to 8, which place a key in the image, stay the hash's).
+  The keyed hash keeps anyone without the tenant's secret from telling which prompts an
+  index key stands for.
+
+Each derivation takes the tenant's name with its secret, so a secret presented under
+another tenant's name proves nothing: the controller admits no such key.
 
 The controller's own Curve key pair stays the deployment's; a tenant's client, which does
 not hold that secret, is told the controller's public key (``controller_key=`` in its URL,
@@ -35,6 +40,7 @@ from kvfabric.errors import ConfigError, NotSupportedError
 from kvfabric.keys import KEY_SIZE
 
 __all__ = [
+    "TAG",
     "TAG_SIZE",
     "TenantKeys",
     "controller_key",
@@ -43,8 +49,9 @@ __all__ = [
 ]
 
 TAG_SIZE = 4
-"""Bytes at the end of a tenant's index keys that name the tenant."""
-_HASHED = KEY_SIZE - TAG_SIZE
+"""Bytes of a tenant's index keys that name the tenant."""
+TAG = slice(8, 8 + TAG_SIZE)
+"""Where in an index key the tag is."""
 
 
 def valid_tenant_name(name: str) -> str:
@@ -56,18 +63,20 @@ def valid_tenant_name(name: str) -> str:
 
 
 def tenant_tag(name: str) -> bytes:
-    """The 4 bytes that end each of the tenant's index keys."""
+    """The 4 bytes (at :data:`TAG`) that name the tenant in each of its index keys."""
     return hashlib.blake2b(name.encode(), digest_size=TAG_SIZE, person=b"kvfabric.tag").digest()
 
 
 @functools.lru_cache(maxsize=64)
-def _tenant_data_key(secret: bytes) -> bytes:
+def _tenant_data_key(name: str, secret: bytes) -> bytes:
     """A tenant's tcp data-plane key: slow to derive, as its handshakes can be recorded."""
-    return hashlib.scrypt(secret, salt=b"kvfabric.tenant", n=1 << 14, r=8, p=1, dklen=32)
+    salt = b"kvfabric.tenant." + name.encode()
+    return hashlib.scrypt(secret, salt=salt, n=1 << 14, r=8, p=1, dklen=32)
 
 
-def _derive(secret: bytes, purpose: bytes) -> bytes:
-    return hashlib.blake2b(secret, digest_size=32, person=b"kvfabric.t" + purpose[:6]).digest()
+def _derive(name: str, secret: bytes, purpose: bytes) -> bytes:
+    named = bytes([len(name)]) + name.encode() + secret
+    return hashlib.blake2b(named, digest_size=32, person=b"kvfabric.t" + purpose[:6]).digest()
 
 
 def controller_key(credentials: Credentials) -> str:
@@ -90,14 +99,15 @@ class TenantKeys:
     def from_secret(cls, name: str, secret: bytes) -> TenantKeys:
         if not zmq.has("curve"):
             raise NotSupportedError("this libzmq has no CURVE support; cannot use tenants")
-        client_secret = zmq.utils.z85.encode(_derive(secret, b"client"))
+        valid_tenant_name(name)
+        client_secret = zmq.utils.z85.encode(_derive(name, secret, b"client"))
         return cls(
-            name=valid_tenant_name(name),
+            name=name,
             tag=tenant_tag(name),
             client_public=zmq.curve_public(client_secret),
             client_secret=client_secret,
-            data_token=_tenant_data_key(secret),
-            scope=_derive(secret, b"scope"),
+            data_token=_tenant_data_key(name, secret),
+            scope=_derive(name, secret, b"scope"),
         )
 
     def client_credentials(self, controller_public: str) -> Credentials:
@@ -123,4 +133,8 @@ class TenantKeys:
     def index_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         """The index keys the client's ``keys`` (checked already) are stored under."""
         scope, tag, blake2b = self.scope, self.tag, hashlib.blake2b
-        return [blake2b(key, digest_size=_HASHED, key=scope).digest() + tag for key in keys]
+        out = []
+        for key in keys:
+            hashed = blake2b(key, digest_size=KEY_SIZE, key=scope).digest()
+            out.append(hashed[:8] + tag + hashed[12:])
+        return out

@@ -207,7 +207,7 @@ def _transport_config(
         port=args.port,
         timeout=duration(args.timeout, "--timeout"),
         token=credentials.data_token if credentials else b"",
-        tenant_tokens=tuple(t.keys.data_token for t in tenants or ()),
+        tenant_tokens=tuple((t.keys.data_token, t.keys.tag) for t in tenants or ()),
     )
 
 
@@ -227,10 +227,7 @@ def _transport_failure(exc: TransportError, args: argparse.Namespace, what: str)
 
 
 def image_servers_from(
-    args: argparse.Namespace,
-    credentials: Credentials | None,
-    settings: PluginOptions,
-    tenants: list[TenantSpec] | None = None,
+    args: argparse.Namespace, credentials: Credentials | None, settings: PluginOptions
 ) -> dict[str, TransportServer]:
     """The controller's own transport servers for the lookup image (``--transport``).
 
@@ -239,7 +236,9 @@ def image_servers_from(
     """
     plugins = plugin_manager()
     classes = {name: plugins.transport(name) for name in _transport_names(args.transport)}
-    config = _transport_config(args, credentials, tenants)
+    # No tenant keys: a tenant's client reads no lookup image (it is every tenant's), it
+    # asks the controller, which keeps tenants apart.
+    config = _transport_config(args, credentials)
     servers: dict[str, TransportServer] = {}
     try:
         for name, cls in classes.items():

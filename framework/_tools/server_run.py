@@ -216,7 +216,7 @@ def run_controller(args: argparse.Namespace) -> int:
     tenants = tenants_from(args)
     index = index_from(args, settings)
     try:
-        servers = image_servers_from(args, credentials, settings, tenants)
+        servers = image_servers_from(args, credentials, settings)
         try:
             controller = controller_from(args, credentials, index, servers, tenants)
             settings.check_all_claimed("controller")

@@ -69,8 +69,9 @@ class Admission(Protocol):
     def reserve(self) -> object | None:
         """A slot for one more connection, or None when the node is at its limit."""
 
-    def start(self, slot: object, stream: Stream) -> None:
-        """Serve ``stream`` in the reserved slot from now on."""
+    def start(self, slot: object, stream: Stream, key: int) -> None:
+        """Serve ``stream`` in the reserved slot from now on; ``key``: which key the client
+        proved (0: the node's own, ``i``: the i-th tenant key)."""
 
     def release(self, slot: object) -> None:
         """Give back a slot whose connection failed before :meth:`start`."""
@@ -86,7 +87,7 @@ class _Phase(enum.Enum):
 class _Pending:
     """One connection between accept and the end of its handshake."""
 
-    __slots__ = ("deadline", "got", "inbox", "nonce", "out", "phase", "slot", "sock")
+    __slots__ = ("deadline", "got", "inbox", "key", "nonce", "out", "phase", "slot", "sock")
 
     def __init__(self, sock: socket.socket, deadline: float, greeting: bytes, nonce: bytes):
         self.sock = sock
@@ -96,6 +97,7 @@ class _Pending:
         self.out = memoryview(greeting)
         self.inbox = bytearray(HEADER.size + HELLO_SIZE)
         self.got = 0
+        self.key = 0
         self.slot: object | None = None
 
 
@@ -318,22 +320,23 @@ class Gate:
                 _check_hello_header(pending.inbox)
         body = pending.inbox[HEADER.size :]
         client_nonce, proof = bytes(body[:NONCE_SIZE]), bytes(body[NONCE_SIZE:])
-        key = next(
+        proved = next(
             (
-                key
-                for key in self._keys
+                number
+                for number, key in enumerate(self._keys)
                 if hmac.compare_digest(
                     proof, client_proof(key, self._flags, pending.nonce, client_nonce)
                 )
             ),
             None,
         )
-        if key is None:
+        if proved is None:
             raise _Refuse(Code.AUTH_FAILED, "auth_failures")
+        pending.key = proved
         pending.slot = self._admission.reserve()
         if pending.slot is None:
             raise _Refuse(Code.BUSY, "connections_refused")
-        ours = server_proof(key, self._flags, pending.nonce, client_nonce)
+        ours = server_proof(self._keys[proved], self._flags, pending.nonce, client_nonce)
         pending.out = memoryview(pack_header(Op.HELLO, Code.OK, len(ours), 0) + ours)
         pending.phase = _Phase.REPLY
         return True
@@ -346,7 +349,7 @@ class Gate:
         assert slot is not None
         self._counters.add("handshakes")
         stream = TlsStream(pending.sock) if self._tls is not None else Stream(pending.sock)
-        self._admission.start(slot, stream)
+        self._admission.start(slot, stream, pending.key)
 
     def _refuse(self, pending: _Pending, code: Code) -> None:
         """Best effort: one non-blocking send of the error header, then close."""

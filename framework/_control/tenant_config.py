@@ -57,12 +57,13 @@ def load_tenants(path: str) -> list[TenantSpec]:
     if not tables:
         raise ConfigError(f"--tenants: {path} names no tenant (one [NAME] table per tenant)")
     base = Path(path).parent
-    specs = [_spec(name, table, base, path) for name, table in tables.items()]
-    _check_distinct(specs, path)
-    return specs
+    read = [_spec(name, table, base, path) for name, table in tables.items()]
+    _check_distinct(read, path)
+    return [spec for spec, _ in read]
 
 
-def _spec(name: str, table: object, base: Path, path: str) -> TenantSpec:
+def _spec(name: str, table: object, base: Path, path: str) -> tuple[TenantSpec, bytes]:
+    """The tenant, and its secret."""
     where = f"--tenants {path}: tenant [{name}]"
     if not isinstance(table, dict):
         raise ConfigError(f"{where}: a table ([{name}] with secret_file and quota) expected")
@@ -92,16 +93,16 @@ def _spec(name: str, table: object, base: Path, path: str) -> TenantSpec:
         raise ConfigError(f"{where}: quota must be a size above 0, got {table['quota']!r}")
     if ttl is not None and ttl <= 0:
         raise ConfigError(f"{where}: ttl must be a duration above 0, got {table['ttl']!r}")
-    return TenantSpec(keys=TenantKeys.from_secret(name, secret), quota=quota, ttl=ttl)
+    return TenantSpec(keys=TenantKeys.from_secret(name, secret), quota=quota, ttl=ttl), secret
 
 
-def _check_distinct(specs: list[TenantSpec], path: str) -> None:
-    """Two tenants with one secret would be one credential; two with one tag, one
-    namespace."""
-    seen_keys: dict[bytes, str] = {}
+def _check_distinct(read: list[tuple[TenantSpec, bytes]], path: str) -> None:
+    """Two tenants with one secret would each hold the other's credential; two with one
+    tag would share a namespace."""
+    seen_secrets: dict[bytes, str] = {}
     seen_tags: dict[bytes, str] = {}
-    for spec in specs:
-        other = seen_keys.setdefault(spec.keys.client_public, spec.name)
+    for spec, secret in read:
+        other = seen_secrets.setdefault(secret, spec.name)
         if other != spec.name:
             raise ConfigError(
                 f"--tenants {path}: tenants [{other}] and [{spec.name}] have the same "

@@ -3,10 +3,10 @@
 The controller reports scopes of counters (``controller``, ``index``, one ``node ID NAME``
 per data node; see :mod:`kvfabric._tools.stats_format`). :class:`ScopesCollector` turns a
 snapshot of them into metric families, ``kvfabric_<scope>_<counter>``, nodes labelled by
-``node`` (id) and ``name``, each with ``# HELP`` and ``# TYPE``. prometheus-client writes
-the exposition (escaping, the ``_total`` suffix of counters) and serves it
-(:class:`MetricsServer`, behind ``--metrics-port``); ``kvfabric stats --format prometheus``
-prints the same text.
+``node`` (id) and ``name``, tenants (scopes ``tenant NAME``) by ``tenant``, each with
+``# HELP`` and ``# TYPE``. prometheus-client writes the exposition (escaping, the
+``_total`` suffix of counters) and serves it (:class:`MetricsServer`, behind
+``--metrics-port``); ``kvfabric stats --format prometheus`` prints the same text.
 
 Levels are gauges (capacity, used and free bytes, entries, nodes, regions); everything
 that only counts up is a counter. The rule is by name: the names in ``_GAUGES`` and every
@@ -40,6 +40,7 @@ log = logging.getLogger("kvfabric._tools.metrics")
 Scopes = dict[str, dict[str, int]]
 
 _NODE_SCOPE = re.compile(r"^node (\d+) (.*)$")
+_TENANT_SCOPE = re.compile(r"^tenant (.*)$")
 _UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
 _GAUGES = frozenset(
     {
@@ -60,6 +61,7 @@ _GAUGES = frozenset(
         "reserving_clients",
         "reserved_grants",
         "reserved_extents",
+        "ttl_seconds",
     }
 )
 _SHARD = re.compile(r"^shard\d+_")
@@ -172,14 +174,15 @@ def families(scopes: Scopes) -> list[Metric]:
     found: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
     for scope, counters in scopes.items():
         node = _NODE_SCOPE.match(scope)
-        kind = "node" if node else _UNSAFE.sub("_", scope)
-        labels = [node.group(1), node.group(2)] if node else []
+        tenant = None if node else _TENANT_SCOPE.match(scope)
+        kind = "node" if node else "tenant" if tenant else _UNSAFE.sub("_", scope)
+        labels = [node.group(1), node.group(2)] if node else [tenant.group(1)] if tenant else []
         for counter, value in counters.items():
             family = f"{kind}_{_UNSAFE.sub('_', counter)}"
             metric = found.get(family)
             if metric is None:
                 name, help_text = f"kvfabric_{family}", _help(family, kind, counter)
-                label_names = ["node", "name"] if node else []
+                label_names = ["node", "name"] if node else ["tenant"] if tenant else []
                 if _kind(counter) == "gauge":
                     metric = GaugeMetricFamily(name, help_text, labels=label_names)
                 else:

@@ -27,7 +27,7 @@ from kvfabric._control.client import ControlClient, ControllerRefusedError
 from kvfabric._control.remote_index import fetch_stats
 from kvfabric._control.security import Credentials
 from kvfabric._control.tenant_keys import TenantKeys
-from kvfabric._tools.local_cluster import ServerProcess, free_port
+from kvfabric._tools.local_cluster import LocalCluster, ServerProcess, free_port
 from kvfabric._wire.protocol import ErrorCode
 from kvfabric.keys import chain_keys
 from kvfabric.testing import wait_for
@@ -296,3 +296,32 @@ def test_a_tenants_data_connection_reads_only_its_own_records(
     assert [bytes(v) for v in alpha.batched_get(keys) if v is not None] == [
         _value(b"A", k) for k in keys
     ]
+
+
+def test_a_controller_and_a_node_serve_tenants(serve: Serve) -> None:
+    """``kvfabric controller --tenants`` with ``kvfabric node --tenants``: the same file on
+    both, the node admitting the tenants' clients on its tcp port."""
+    tenants = str(serve.dir / "tenants.toml")
+    with LocalCluster(
+        secret=DEPLOYMENT,
+        transports=("tcp",),
+        capacity="16MiB",
+        controller_args=["--tenants", tenants],
+        node_args=["--tenants", tenants],
+    ) as cluster:
+        assert cluster.controller is not None
+        found = re.search(r"controller_key=(\S+)", cluster.controller.ready_line)
+        assert found, cluster.controller.ready_line
+        base = f"kvfabric://127.0.0.1:{cluster.port}?transport=tcp&controller_key={found[1]}"
+        keys = _keys(8)
+        with (
+            kvfabric.connect(f"{base}&tenant=alpha&secret_file={serve.secrets['alpha']}") as a,
+            kvfabric.connect(f"{base}&tenant=beta&secret_file={serve.secrets['beta']}") as b,
+        ):
+            assert a.batched_put(keys, [_value(b"A", k) for k in keys]) == [PutOutcome.STORED] * 8
+            assert b.batched_contains(keys) == 0
+            assert b.batched_get(keys) == [None] * 8
+            assert [bytes(v) for v in a.batched_get(keys) if v is not None] == [
+                _value(b"A", k) for k in keys
+            ]
+        assert cluster.stats()["tenant alpha"]["entries"] == 8

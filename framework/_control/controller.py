@@ -21,6 +21,10 @@ is disconnected, nothing is allocated for it), and each connection may have at m
 one connection can hold at most ``RECEIVE_QUEUE x max_frame`` bytes of it. Clients send
 large requests as chunks far below the bound (:mod:`kvfabric._control.session`). What each
 client may hold *reserved* in the index is bounded too (:mod:`kvfabric._control.reservations`).
+
+With tenants (:mod:`kvfabric._control.tenant_gate`), the credential each frame's connection
+proved decides which handlers serve it: a tenant's reach only its own namespace, within its
+quota.
 """
 
 from __future__ import annotations
@@ -43,10 +47,11 @@ from kvfabric._control.node_members import NodeMembers
 from kvfabric._control.refusal import Handler, Refusal
 from kvfabric._control.reservations import ReservationLimits, Reservations
 from kvfabric._control.security import Credentials
+from kvfabric._control.tenant_gate import TenantGate
 from kvfabric._runtime.codec import Reader, Writer
 from kvfabric._wire import protocol as p
 from kvfabric._wire.protocol import REPLY_BIT, ErrorCode, MsgType
-from kvfabric.errors import ProtocolError
+from kvfabric.errors import ConfigError, ProtocolError
 from kvfabric.spi.index import IndexPlugin
 from kvfabric.spi.transport import TransportServer
 
@@ -81,13 +86,21 @@ class Controller:
         freeze_long_lived: bool = False,
         max_frame: int = MAX_FRAME,
         reservation_limits: ReservationLimits | None = None,
+        tenants: TenantGate | None = None,
     ) -> None:
         """``image_servers``: transport servers (by name) to serve the index's lookup image
         on; none: clients look everything up by RPC. ``freeze_long_lived``: every tick,
         exempt what outlived the young generations from later full collections (for a
         process of the controller's own; see :meth:`_freeze_gc`). ``max_frame``: the
         largest frame taken, in bytes. ``reservation_limits``: what one client may hold
-        reserved (default: :class:`ReservationLimits`'s)."""
+        reserved (default: :class:`ReservationLimits`'s). ``tenants``: the tenants served
+        beside the deployment's own clients (needs ``credentials``: a tenant is known by
+        the key its connection proved)."""
+        if tenants is not None and credentials is None:
+            raise ConfigError(
+                "--tenants needs the deployment's secret (--secret-file or KVFABRIC_SECRET): "
+                "a tenant is known by the credential its connection proves"
+            )
         self.listen = listen
         self.index = index
         self.tick = tick
@@ -100,7 +113,12 @@ class Controller:
         self._stopping = threading.Event()
         self._freeze_long_lived = freeze_long_lived
         self._image = ImagePublisher(index, image_servers or {})
-        self._nodes = NodeMembers(index, node_timeout, self._counters)
+        self._tenants = tenants
+        self._nodes = NodeMembers(
+            tenants.observe_restores(index) if tenants is not None else index,
+            node_timeout,
+            self._counters,
+        )
         self.max_frame = max_frame
         self._capacity = (-1, 0)
         """(nodes generation, capacity in bytes) as last summed."""
@@ -114,6 +132,8 @@ class Controller:
             **self._usage.handlers,
             MsgType.STATS: self._stats,
         }
+        if tenants is not None:
+            tenants.bind(index, self._image, self._reservations)
 
     @property
     def node_timeout(self) -> float:
@@ -170,8 +190,12 @@ class Controller:
             # a flags check), then poll again.
             if sock.poll(timeout, zmq.POLLIN):
                 while int(sock.getsockopt(zmq.EVENTS)) & _POLLIN:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                    reply = self._reply_to(frames)
+                    if self._tenants is None:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                        reply = self._reply_to(frames)
+                    else:
+                        frames, handlers = self._tenants.receive(sock)
+                        reply = self._reply_to(frames, handlers)
                     if reply is not None:
                         sock.send_multipart([frames[0], reply])
                 # Every request answered: upkeep the replies need not wait for (a full
@@ -185,11 +209,13 @@ class Controller:
         from zmq.auth.thread import ThreadAuthenticator
 
         assert self._credentials is not None
-        allowed = self._credentials.client_public
+        allowed = {self._credentials.client_public}
+        if self._tenants is not None:
+            allowed |= self._tenants.client_keys()
 
         class _SharedSecret:
             def callback(self, domain: str, key: bytes) -> bool:
-                return key == allowed
+                return key in allowed
 
         authenticator = ThreadAuthenticator(context)
         authenticator.start()
@@ -199,7 +225,10 @@ class Controller:
     def stop(self) -> None:
         self._stopping.set()
 
-    def _reply_to(self, frames: list[bytes]) -> bytes | None:
+    def _reply_to(
+        self, frames: list[bytes], handlers: dict[int, Handler] | None = None
+    ) -> bytes | None:
+        """The reply to one message; ``handlers``: a tenant's (default: all of them)."""
         if len(frames) != 2:
             # A DEALER sends one frame; ROUTER adds the identity. Anything else is not ours,
             # and without a well-formed envelope there is no one to answer.
@@ -210,7 +239,7 @@ class Controller:
         try:
             header, reader = p.decode_header(frame)
             request_id = header.request_id
-            handler = self._handlers.get(header.type)
+            handler = (handlers or self._handlers).get(header.type)
             if handler is None:
                 raise Refusal(ErrorCode.UNKNOWN_TYPE, f"unknown message type {header.type}")
             apply = handler(reader)
@@ -272,6 +301,12 @@ class Controller:
             self._freeze_gc()
         self._image.revive()
         self._nodes.drop_silent()
+        if self._tenants is not None:
+            self._upkeep(self._tenants_tick, "tenants")
+
+    def _tenants_tick(self) -> None:
+        assert self._tenants is not None
+        self._tenants.tick(self._nodes.generation)
 
     @staticmethod
     def _freeze_gc() -> None:
@@ -320,6 +355,8 @@ class Controller:
             "clients": self._usage.stats(),
         }
         scopes.update(self._nodes.stats_scopes())
+        if self._tenants is not None:
+            scopes.update(self._tenants.stats_scopes())
         w = Writer().u32(len(scopes))
         for scope, counters in scopes.items():
             w.text(scope)

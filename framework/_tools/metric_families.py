@@ -42,6 +42,8 @@ Scopes = dict[str, dict[str, int]]
 
 NODE_SCOPE = re.compile(r"^node (\d+) (.*)$")
 """A data node's scope, ``node ID NAME``."""
+TENANT_SCOPE = re.compile(r"^tenant (.+)$")
+"""A tenant's scope, ``tenant NAME`` (docs/tenants.md)."""
 
 _UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
 _SHARD = re.compile(r"^shard(\d+)_(.+)$")
@@ -372,6 +374,42 @@ _TRANSPORT_HELP = {
 _UNIT_LAST = {"bytes_read": "read_bytes", "bytes_written": "written_bytes"}
 
 
+# -- tenants -----------------------------------------------------------------------------
+
+_TENANT: dict[str, _Spec] = {
+    "quota_bytes": _g("tenant_quota_bytes", "Bytes this tenant may hold (its quota).", "tenant"),
+    "used_bytes": _g("tenant_used_bytes", "Bytes of values this tenant holds.", "tenant"),
+    "reserved_bytes": _g(
+        "tenant_reserved_bytes", "Bytes reserved by this tenant's puts not yet published.", "tenant"
+    ),
+    "entries": _g("tenant_entries", "Values this tenant holds.", "tenant"),
+    "ttl_seconds": _g(
+        "tenant_ttl_seconds", "Seconds a value of this tenant lives (0: no limit).", "tenant"
+    ),
+    "quota_evictions": _c(
+        "tenant_quota_evictions",
+        "Values of this tenant evicted to keep it within its quota.",
+        "tenant",
+    ),
+    "quota_refusals": _c(
+        "tenant_quota_refusals",
+        "Puts of this tenant refused because its quota could not make room.",
+        "tenant",
+    ),
+    "ttl_expirations": _c(
+        "tenant_ttl_expirations", "Values of this tenant removed at the end of their TTL.", "tenant"
+    ),
+}
+
+
+def _tenant(out: _Families, name: str, counters: dict[str, int]) -> None:
+    for counter, value in counters.items():
+        spec = _TENANT.get(counter) or _fallback(
+            "tenant", counter, f"{counter.replace('_', ' ')} (tenant).", "tenant"
+        )
+        out.add(spec, [name], value)
+
+
 class _Families:
     """Metric families being filled, by name, in the order first seen."""
 
@@ -505,6 +543,8 @@ def families(scopes: Scopes, *, nodes: bool = True, image: bool = True) -> list[
         if node:
             if nodes:
                 _node(out, node.group(2), counters)
+        elif tenant := TENANT_SCOPE.match(scope):
+            _tenant(out, tenant.group(1), counters)
         elif scope == "controller":
             _controller(out, counters, image)
         elif scope == "index":

@@ -25,6 +25,9 @@ import zmq
 from kvfabric._control.client import ControlClient
 from kvfabric._control.controller import Controller
 from kvfabric._control.remote_index import fetch_stats
+from kvfabric._control.security import Credentials
+from kvfabric._control.tenant_config import TenantSpec
+from kvfabric._control.tenant_keys import controller_key
 from kvfabric._node.agent import NodeAgent
 from kvfabric._node.membership import Membership
 from kvfabric._node.node import DataNode
@@ -42,6 +45,7 @@ from kvfabric._tools.server_build import (
     membership_from,
     node_from,
     plugin_settings,
+    tenants_from,
 )
 from kvfabric.errors import KvfabricError
 from kvfabric.spi.units import format_size
@@ -102,6 +106,19 @@ def _image_words(controller: Controller) -> str:
         return "; no lookup image (lookups by RPC)"
     parts = [_endpoint_words(e.transport, e.address) for e in image.endpoints]
     return f"; lookup image over {', '.join(parts) or 'nothing'}"
+
+
+def _tenant_words(
+    endpoint: str, credentials: Credentials | None, tenants: list[TenantSpec] | None
+) -> str:
+    """For the ready line: how a tenant's client connects."""
+    if not tenants or credentials is None:
+        return ""
+    return (
+        f"; tenants {', '.join(t.name for t in tenants)} connect with "
+        f"kvfabric://{_host_port(endpoint)}?tenant=NAME&secret_file=FILE"
+        f"&controller_key={controller_key(credentials)}"
+    )
 
 
 def _host_port(endpoint: str) -> str:
@@ -212,11 +229,12 @@ def _announce_waiting(agent: NodeAgent, membership: Membership, secured: bool) -
 def run_controller(args: argparse.Namespace) -> int:
     settings = plugin_settings(args)
     credentials = credentials_from(args)
+    tenants = tenants_from(args)
     index = index_from(args, settings)
     try:
         servers = image_servers_from(args, credentials, settings)
         try:
-            controller = controller_from(args, credentials, index, servers)
+            controller = controller_from(args, credentials, index, servers, tenants)
             settings.check_all_claimed("controller")
             with _controller_metrics(args, controller) as metrics:
                 _stop_on_signals(controller.stop)
@@ -226,7 +244,8 @@ def run_controller(args: argparse.Namespace) -> int:
                     lambda endpoint: print(
                         f"kvfabric controller listening on {endpoint} (index {args.index})"
                         f"{_image_words(controller)}{metrics}; clients connect with "
-                        f"kvfabric://{_host_port(endpoint)}",
+                        f"kvfabric://{_host_port(endpoint)}"
+                        f"{_tenant_words(endpoint, credentials, tenants)}",
                         flush=True,
                     ),
                 )
@@ -239,9 +258,10 @@ def run_controller(args: argparse.Namespace) -> int:
 
 def run_node(args: argparse.Namespace) -> int:
     credentials = credentials_from(args)
+    tenants = tenants_from(args)
     membership, shared_index = membership_from(args, credentials)
     try:
-        node = node_from(args, credentials, plugin_settings(args, index=False))
+        node = node_from(args, credentials, plugin_settings(args, index=False), tenants)
     except BaseException:
         membership.close()
         raise
@@ -290,15 +310,16 @@ def run_node(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     credentials = credentials_from(args)
+    tenants = tenants_from(args)
     settings = plugin_settings(args)
     index = index_from(args, settings)
     try:
-        node = node_from(args, credentials, settings)
+        node = node_from(args, credentials, settings, tenants)
     except BaseException:
         index.close()
         raise
     # The node's transport servers serve the lookup image too: one port per transport.
-    controller = controller_from(args, credentials, index, node.servers)
+    controller = controller_from(args, credentials, index, node.servers, tenants)
     agents: list[NodeAgent] = []
     try:
         with _controller_metrics(args, controller, serve=True) as metrics:
@@ -329,7 +350,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 print(
                     f"kvfabric serving on {endpoint}: node {node.name}, {_describe(node)}"
                     f"{_image_words(controller)}{metrics}; connect with "
-                    f"kvfabric://{_host_port(endpoint)}",
+                    f"kvfabric://{_host_port(endpoint)}"
+                    f"{_tenant_words(endpoint, credentials, tenants)}",
                     flush=True,
                 )
 

@@ -167,6 +167,9 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_NODE = 4
     INTERNAL = 5
     NAME_IN_USE = 6
+    FORBIDDEN = 7
+    """Not a request this connection's credential may make (a tenant's client sent a data
+    node's request, asked for stats or for extents)."""
 
 
 class FrameError(ProtocolError):

@@ -148,9 +148,10 @@ class CarvedWrites:
                 pool.returning(),
             )
             leased = pool.leased(extents or [], asked_at, wanted)
-            self._counters.update(
-                extent_leases=len(leased), evictions=sum(h.extent.evictions for h in leased)
-            )
+            evictions = sum(h.extent.evictions for h in leased)
+            self._counters.update(extent_leases=len(leased), evictions=evictions)
+            # Each entry evicted to make room is a bucket of the image rewritten (emptied).
+            topology.expect_image_rewrites(evictions)
             held += leased
         topology.learn({h.extent.node for h in held})
         for h in [h for h in held if not self._records.reaches([h.extent.node])]:
@@ -211,6 +212,9 @@ class CarvedWrites:
         )
         if report.failed_nodes or len(landed) < len(descriptors):
             self._topology.relearn_after_failure()
+        if told is not None:
+            # A record stored is one bucket of the image rewritten.
+            self._topology.expect_image_rewrites(told.values.count(CarveOutcome.STORED))
         outcome_of: dict[tuple[int, int], CarveOutcome | None] = dict(
             zip(
                 ((r.extent, r.offset) for r in landed),

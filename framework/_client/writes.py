@@ -166,6 +166,8 @@ class Writes:
         if result is None:
             self._counters.add("put_failures", len(keys))
             return [PutOutcome.FAILED] * len(keys)
+        # Each entry evicted to make room is a bucket of the image rewritten (emptied).
+        self._topology.expect_image_rewrites(result.evictions)
         outcomes: list[PutOutcome] = []
         # Every copy to write, as (key position, grant): a key's first copy first, then
         # its replicas; for a stored key, the copies granted to repair it.
@@ -237,6 +239,9 @@ class Writes:
                 self._index.publish, [GrantRef.of(d, crc) for (_, d), crc in written]
             )
             flags = told.values if told is not None else [False] * len(written)
+            # Each copy published is one bucket of the image rewritten (its key's or an
+            # alternate key's).
+            self._topology.expect_image_rewrites(flags.count(True))
             for (g, _), flag in zip(written, flags, strict=True):
                 if flag:
                     published.add(g[0])

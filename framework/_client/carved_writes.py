@@ -187,7 +187,11 @@ class CarvedWrites:
         order = [i for carving in carvings for i in carving.positions]
         self._topology.learn({carving.held.extent.node for carving in carvings})
         report = self._records.write(descriptors, [pieces[i] for i in order])
-        self._counters.add("transport_failures", report.failed_nodes)
+        self._counters.update(
+            transport_failures=report.failed_nodes,
+            backoff_skips=report.skipped,
+            nodes_backed_off=report.backed_off,
+        )
         crcs = iter(report.crcs)
         landed: list[CarvedRecord] = []
         for carving in carvings:

@@ -227,7 +227,11 @@ class Writes:
             return [], [], [], set()
         self._topology.learn({d.node for _, d in granted})
         report = self._records.write([d for _, d in granted], [pieces[i] for i, _ in granted])
-        self._counters.add("transport_failures", report.failed_nodes)
+        self._counters.update(
+            transport_failures=report.failed_nodes,
+            backoff_skips=report.skipped,
+            nodes_backed_off=report.backed_off,
+        )
         if report.failed_nodes or any(crc is None for crc in report.crcs):
             self._topology.relearn_after_failure()
         written = [(g, crc) for g, crc in zip(granted, report.crcs, strict=True) if crc is not None]

@@ -72,7 +72,8 @@ MAX_AGE = 2.0
 every ~0.25 s; a controller loop held up longer than this only costs lookups by RPC."""
 
 _UNUSABLE = (0, ImageStop.UNUSABLE, b"", 0)
-# Ring entries read per lookup: at least this many, else twice what the last read found.
+# Ring entries read per lookup: at least this many, else this client's own rewrites since
+# and twice what other writers' were at the last read.
 _MIN_CHUNK = 64
 # Reads one lookup may make to catch its mirror up before it gives up (and asks the index).
 _MAX_READS = 3
@@ -212,8 +213,8 @@ class RemoteImage(ImageReader):
         """Guards the mirror and the cursor: updates and probes take it, reads do not."""
         self._cursor = 0
         """The first rewrite the mirror lacks."""
-        self._chunk = _MIN_CHUNK
-        """Ring entries a catch-up reads for other writers' rewrites."""
+        self._others = 0
+        """Other writers' rewrites the last catch-up found: the next reads twice as many."""
         self._expected = 0
         """Rewrites this client's own publishes made since the last catch-up began: the
         next one reads those too (:meth:`expect`)."""
@@ -341,7 +342,8 @@ class RemoteImage(ImageReader):
                         return False, trips + 1
                     trips += copied
                     continue
-                landing = self._landing(self._cursor, min(self._chunk + own, ring))
+                count = min(max(_MIN_CHUNK, own + 2 * self._others), ring)
+                landing = self._landing(self._cursor, count)
             first = landing.first
             trips += 1
             if not self._move(landing.segments, True):
@@ -354,12 +356,10 @@ class RemoteImage(ImageReader):
                 self._spare = landing
                 self._cursor = max(self._cursor, cursor)
                 self._expected = max(0, self._expected - own)
-                # Read twice what others wrote since the last read next time: a burst of
-                # writes is caught up in one more read, a quiet image costs a few KiB per
-                # lookup. This client's own rewrites are not a burst to expect again: its
-                # next publish says how many it makes.
-                others = max(0, head - first - own)
-                self._chunk = min(max(_MIN_CHUNK, 2 * others), ring)
+                # Next time, read this client's own rewrites (its publishes say how many)
+                # and twice what others wrote since the last read: a burst of writes is
+                # caught up in one more read, a quiet image costs a few KiB per lookup.
+                self._others = max(0, head - first - own)
                 if state == RingState.CAUGHT_UP:
                     return True, trips
                 if state == RingState.LAPPED:
@@ -389,7 +389,9 @@ class RemoteImage(ImageReader):
             (offset, mirror[offset : min(offset + _COPY_PIECE, geometry.buckets_end)])
             for offset in range(IMAGE_HEADER_SIZE, geometry.buckets_end, _COPY_PIECE)
         ]
-        entries, pieces = self._entries(head, self._chunk)
+        entries, pieces = self._entries(
+            head, min(max(_MIN_CHUNK, 2 * self._others), geometry.ring_length)
+        )
         if not self._read([(0, memoryview(again)), *buckets, *pieces], small=False):
             return -1
         mirror[:IMAGE_HEADER_SIZE] = again

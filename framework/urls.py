@@ -74,6 +74,11 @@ class ClientOptions:
 
     timeout: float = 2.0
     """Bound on one batched read or write to a data node (seconds)."""
+    node_backoff: float = 1.0
+    """After a data node fails as a whole (a timeout, a failed connection), hold it off this
+    long (seconds): lookups count keys only there as misses, reads and writes skip it
+    without waiting; then one call probes it, and each failed probe doubles the period (up
+    to 30 s). 0: never hold a node off (every call waits ``timeout`` again)."""
     prefetch_entries: int = 65536
     prefetch_ttl: float = 10.0
     max_value: int = 1 << 30
@@ -154,6 +159,7 @@ def _duration(
 
 _PARSERS: dict[str, Callable[[str], Any]] = {
     "timeout": _duration(above=0.0),
+    "node_backoff": _duration(at_least=0.0),
     "prefetch_entries": _positive_int,
     "prefetch_ttl": _duration(at_least=0.0),
     "max_value": bounded(parse_size, at_least=1),

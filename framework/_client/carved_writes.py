@@ -148,9 +148,10 @@ class CarvedWrites:
                 pool.returning(),
             )
             leased = pool.leased(extents or [], asked_at, wanted)
-            self._counters.update(
-                extent_leases=len(leased), evictions=sum(h.extent.evictions for h in leased)
-            )
+            evictions = sum(h.extent.evictions for h in leased)
+            self._counters.update(extent_leases=len(leased), evictions=evictions)
+            # Each entry evicted to make room is a bucket of the image rewritten (emptied).
+            topology.expect_image_rewrites(evictions)
             held += leased
         topology.learn({h.extent.node for h in held})
         for h in [h for h in held if not self._records.reaches([h.extent.node])]:
@@ -186,7 +187,11 @@ class CarvedWrites:
         order = [i for carving in carvings for i in carving.positions]
         self._topology.learn({carving.held.extent.node for carving in carvings})
         report = self._records.write(descriptors, [pieces[i] for i in order])
-        self._counters.add("transport_failures", report.failed_nodes)
+        self._counters.update(
+            transport_failures=report.failed_nodes,
+            backoff_skips=report.skipped,
+            nodes_backed_off=report.backed_off,
+        )
         crcs = iter(report.crcs)
         landed: list[CarvedRecord] = []
         for carving in carvings:
@@ -211,6 +216,9 @@ class CarvedWrites:
         )
         if report.failed_nodes or len(landed) < len(descriptors):
             self._topology.relearn_after_failure()
+        if told is not None:
+            # A record stored is one bucket of the image rewritten.
+            self._topology.expect_image_rewrites(told.values.count(CarveOutcome.STORED))
         outcome_of: dict[tuple[int, int], CarveOutcome | None] = dict(
             zip(
                 ((r.extent, r.offset) for r in landed),

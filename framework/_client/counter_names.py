@@ -16,6 +16,11 @@ Keys are counted as engines count blocks: ``lookup_keys`` asked by ``batched_con
 (``prefix_hits`` found), ``exists_keys`` asked by ``batched_exists`` (``exists_hits``
 found); ``get_hits`` and ``get_misses`` add up to the keys read, and ``get_failures`` are
 the misses of keys the index holds (or could not be asked about) whose read failed.
+
+A data node that failed as a whole is held off for a while (the URL option
+``node_backoff``): ``nodes_backed_off`` counts the failures that began or lengthened such a
+period, ``backoff_skips`` the records a read or write did not attempt because their node was
+held off, and ``backoff_misses`` the keys a lookup counted as misses for that reason.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 from kvfabric.spi.counters import Counters
 
 __all__ = [
+    "BACKOFF_COUNTERS",
     "CLIENT_COUNTERS",
     "EXTENT_COUNTERS",
     "IMAGE_COUNTERS",
@@ -91,6 +97,9 @@ REPORT_COUNTERS = ("usage_reports", "usage_reports_dropped")
 """This client's usage reports to its controller (:mod:`~kvfabric._client.usage`): sent,
 and dropped because the controller did not take them."""
 
+BACKOFF_COUNTERS = ("nodes_backed_off", "backoff_skips", "backoff_misses")
+"""Data nodes held off after failing as a whole (:mod:`~kvfabric._client.node_breaker`)."""
+
 EXTENT_COUNTERS = ("extent_leases", "carved_writes")
 """Puts into extents leased from the index: leases, and records written into them."""
 
@@ -104,5 +113,6 @@ def client_counters() -> Counters:
             *REPLICA_COUNTERS,
             *EXTENT_COUNTERS,
             *REPORT_COUNTERS,
+            *BACKOFF_COUNTERS,
         )
     )

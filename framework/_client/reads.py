@@ -220,6 +220,8 @@ class Reads:
             validation_failures=len(report.invalid),
             transport_failures=report.failed_nodes,
             refused_reads=report.refused,
+            backoff_skips=report.skipped,
+            nodes_backed_off=report.backed_off,
         )
         if report.failed_nodes or report.refused:
             self._topology.relearn_after_failure()

@@ -140,7 +140,7 @@ def _open_controlled(
 
     return StoreParts(
         index=index,
-        records=RecordIO(clients, list(clients)),
+        records=RecordIO(clients, list(clients), node_backoff=options.node_backoff),
         on_close=[control.close],
         locate_image=locate_image if options.lookup_image else None,
         report_usage=index.report_usage,
@@ -175,7 +175,8 @@ def _shared_opener(
             for client in clients.values():
                 client.close()
             raise
-        return client_parts(index, RecordIO(clients, list(clients)), store)
+        records = RecordIO(clients, list(clients), node_backoff=options.node_backoff)
+        return client_parts(index, records, store)
 
     return open_shared
 

@@ -166,6 +166,7 @@ class Store:
             touches=self._touches,
             observer=self._observer,
             max_value=options.max_value,
+            breaker=records.breaker,
         )
         self._reads = Reads(
             calls=calls, topology=topology, records=records, prefetch=prefetch, counters=counters

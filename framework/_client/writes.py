@@ -166,6 +166,8 @@ class Writes:
         if result is None:
             self._counters.add("put_failures", len(keys))
             return [PutOutcome.FAILED] * len(keys)
+        # Each entry evicted to make room is a bucket of the image rewritten (emptied).
+        self._topology.expect_image_rewrites(result.evictions)
         outcomes: list[PutOutcome] = []
         # Every copy to write, as (key position, grant): a key's first copy first, then
         # its replicas; for a stored key, the copies granted to repair it.
@@ -225,7 +227,11 @@ class Writes:
             return [], [], [], set()
         self._topology.learn({d.node for _, d in granted})
         report = self._records.write([d for _, d in granted], [pieces[i] for i, _ in granted])
-        self._counters.add("transport_failures", report.failed_nodes)
+        self._counters.update(
+            transport_failures=report.failed_nodes,
+            backoff_skips=report.skipped,
+            nodes_backed_off=report.backed_off,
+        )
         if report.failed_nodes or any(crc is None for crc in report.crcs):
             self._topology.relearn_after_failure()
         written = [(g, crc) for g, crc in zip(granted, report.crcs, strict=True) if crc is not None]
@@ -237,6 +243,9 @@ class Writes:
                 self._index.publish, [GrantRef.of(d, crc) for (_, d), crc in written]
             )
             flags = told.values if told is not None else [False] * len(written)
+            # Each copy published is one bucket of the image rewritten (its key's or an
+            # alternate key's).
+            self._topology.expect_image_rewrites(flags.count(True))
             for (g, _), flag in zip(written, flags, strict=True):
                 if flag:
                     published.add(g[0])

@@ -109,8 +109,8 @@ def test_a_lookup_over_tcp_is_one_data_plane_request_and_no_control_rpc(
     with kvfabric.connect(cluster.url(transport="tcp")) as store:
         keys = _keys(n + 1)
         store.batched_put(keys[:n], [_value(k) for k in keys[:n]])
-        # The client's mirror of the image catches up with the put's N rewrites (a lookup
-        # after more rewrites than it reads per lookup takes one more read); from then on:
+        # The client's mirror of the image catches up with the put's N rewrites (in one
+        # read too: tests/distributed/test_lookup_after_put.py); the steady state:
         store.batched_contains(keys)
         before, controller_before = store.stats(), cluster.stats()["controller"]
         assert store.batched_contains(keys) == n

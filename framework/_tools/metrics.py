@@ -60,6 +60,7 @@ _GAUGES = frozenset(
         "reserving_clients",
         "reserved_grants",
         "reserved_extents",
+        "kv_events_queued",
     }
 )
 _SHARD = re.compile(r"^shard\d+_")
@@ -72,6 +73,15 @@ _HELP: dict[str, str] = {
     "controller_bad_frames": "Frames the controller could not decode.",
     "controller_refused": "Requests answered with an error reply.",
     "controller_internal_errors": "Requests that failed inside the controller.",
+    "controller_kv_events_published": "KV events sent on --kv-events (each block stored or "
+    "removed, each clear).",
+    "controller_kv_event_batches": "KV event batches sent (one sequence number each).",
+    "controller_kv_events_dropped": "KV events dropped before they were sent, because changes "
+    "came faster than the publisher sent them (subscribers see a gap replay cannot fill).",
+    "controller_kv_event_gaps": "Sequence numbers skipped for dropped KV events.",
+    "controller_kv_events_queued": "KV events waiting to be sent.",
+    "controller_kv_event_replay_requests": "Replay requests answered on --kv-events-replay.",
+    "controller_kv_events_replayed": "KV event batches sent again on the replay socket.",
     "controller_upkeep_errors": "Upkeep calls into the index (tick, idle) that raised "
     "(logged at most once a minute per step; the controller goes on serving).",
     "controller_nodes_dropped": "Data nodes dropped after missing heartbeats for --node-timeout.",

@@ -207,7 +207,7 @@ class CarvedWrites:
                             crc=crc,
                         )
                     )
-        said = blocks_for([r.key for r in landed], blocks)
+        said = blocks_for([r.key for r in landed], blocks) if blocks else None
         if said:
             told = self._calls.publish(self._index.publish_carved_described, landed, again, said)
         elif landed or again:

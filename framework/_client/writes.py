@@ -261,7 +261,7 @@ class Writes:
         unknown: list[Copy] = []
         if written:
             grants = [GrantRef.of(d, crc) for (_, d), crc in written]
-            mine = blocks_for([g.key for g in grants], blocks)
+            mine = blocks_for([g.key for g in grants], blocks) if blocks else None
             told = (
                 self._calls.publish(self._index.publish_described, grants, mine)
                 if mine

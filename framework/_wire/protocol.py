@@ -50,7 +50,8 @@ A writer may say what the KV events should say of the keys it publishes, in the 
 own terms (:class:`~kvfabric.spi.EngineBlock`): a ``PUBLISH`` or ``PUBLISH_CARVED`` then
 ends with a *blocks* section — count u32, then per block its key and the block
 (:func:`write_blocks`). Like the replicas' additions, a writer that attaches none never
-sends it, so its frames stay byte for byte what they were.
+sends it, so its frames stay byte for byte what they were; a controller that publishes no
+events skips the section unread.
 
 A large request is sent as several frames of bounded size (:mod:`kvfabric._control.session`);
 each is a request of its own, served whole or not at all.

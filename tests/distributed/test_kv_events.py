@@ -135,6 +135,19 @@ def test_a_router_following_the_events_holds_exactly_what_the_tier_holds(
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
 
 
+def test_blocks_travel_with_grants_as_with_extents(
+    cluster: Cluster, subscriber: Subscriber, named: Named
+) -> None:
+    # extents=false: allocate, write, publish (the test above wrote into leased extents).
+    with kvfabric.connect(cluster.url(extents="false")) as granted:
+        named.put(granted, 3, blocks=_chain(3, first=2000))
+        wait_for("the events of a granted put", lambda: _follows(subscriber, named, granted))
+    first = (2000).to_bytes(8, "big")
+    chain = [e for e in subscriber.events() if first in e.get("block_hashes", ())]
+    assert chain[0]["block_hashes"] == [b.hash for b in _chain(3, first=2000)]
+    assert chain[0]["token_ids"] == list(range(48))
+
+
 def test_evictions_are_removals_in_order(
     store: kvfabric.Store, subscriber: Subscriber, named: Named
 ) -> None:

@@ -143,3 +143,18 @@ def test_a_controller_refuses_kv_events_with_an_index_that_reports_none() -> Non
     finally:
         publisher.close()
         index.close()
+
+
+def test_an_embedded_store_takes_blocks_and_checks_them() -> None:
+    import kvfabric
+
+    keys = [bytes([i]) * 32 for i in range(2)]
+    with kvfabric.connect("embedded://?capacity=8MiB") as store:
+        blocks = [EngineBlock(hash=1), None]
+        assert (
+            store.batched_put(keys, [b"a", b"b"], blocks=blocks) == [kvfabric.PutOutcome.STORED] * 2
+        )
+        with pytest.raises(ValueError, match="1 blocks for 2 keys"):
+            store.batched_put(keys, [b"a", b"b"], blocks=[None])
+        with pytest.raises(TypeError, match="not an EngineBlock"):
+            store.batched_put(keys, [b"a", b"b"], blocks=[1, None])  # type: ignore[list-item]

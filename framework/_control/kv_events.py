@@ -16,10 +16,11 @@ publisher thread, never slows the store. The publisher thread takes what has que
 most :data:`MAX_BATCH_CHANGES` at a time), encodes it as one batch and sends it; ZeroMQ
 drops a batch for a subscriber past the PUB socket's high-water mark, which that subscriber
 sees as a gap in the sequence and fills from the replay socket (the last
-:data:`REPLAY_BATCHES` batches are kept). When changes come faster than the thread sends
-them, the queue drops its oldest (counted, ``kv_events_dropped``) and the next batch skips
-a sequence number: subscribers see a gap there too, one that replay cannot fill (the
-changes were never sent), so they know their view may be stale.
+:data:`REPLAY_BATCHES` batches are kept, at most :data:`REPLAY_BYTES` of them). When
+changes come faster than the thread sends them, the queue drops its oldest (counted,
+``kv_events_dropped``) and the next batch skips a sequence number: subscribers see a gap
+there too, one that replay cannot fill (the changes were never sent), so they know their
+view may be stale.
 
 The first batch a publisher sends is ``AllBlocksCleared`` (its owner queues it: a
 controller starts with an empty index), and its sequence numbers start from the wall clock
@@ -49,6 +50,7 @@ __all__ = [
     "MAX_BATCH_CHANGES",
     "QUEUE_CHANGES",
     "REPLAY_BATCHES",
+    "REPLAY_BYTES",
     "EventQueue",
     "KvEventPublisher",
     "binds",
@@ -62,6 +64,9 @@ MAX_BATCH_CHANGES = 4096
 """Changes in one batch, at most."""
 REPLAY_BATCHES = 10_000
 """Batches kept for replay (vLLM's ``buffer_steps``)."""
+REPLAY_BYTES = 64 << 20
+"""Bytes of batches kept for replay, at most: a busy tier's batches are far larger than an
+engine's step's, so the count alone would not bound the memory."""
 PUB_HWM = 100_000
 """Batches ZeroMQ queues per subscriber before it drops them for that one (vLLM's ``hwm``)."""
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -149,9 +154,8 @@ class KvEventPublisher:
             self._replay = self._context.socket(zmq.ROUTER)
             self._replay.linger = 0
             self.replay_endpoint = self._open(self._replay, replay, "--kv-events-replay", bind=True)
-        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(
-            maxlen=REPLAY_BATCHES
-        )
+        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._buffer_bytes = 0
         self._next_seq = first_seq if first_seq is not None else time.time_ns() // 1000
         self._dropped_seen = 0
         self._counters = dict.fromkeys(
@@ -238,7 +242,11 @@ class KvEventPublisher:
         self._next_seq += 1
         payload = encode_batch(changes, self._clock())
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-        self._buffer.append((seq, payload))
+        buffer = self._buffer
+        buffer.append((seq, payload))
+        self._buffer_bytes += len(payload)
+        while len(buffer) > REPLAY_BATCHES or self._buffer_bytes > REPLAY_BYTES:
+            self._buffer_bytes -= len(buffer.popleft()[1])
         self._counters["kv_event_batches"] += 1
         self._counters["kv_events_published"] += len(changes)
         return True

@@ -158,3 +158,23 @@ def test_an_embedded_store_takes_blocks_and_checks_them() -> None:
             store.batched_put(keys, [b"a", b"b"], blocks=[None])
         with pytest.raises(TypeError, match="not an EngineBlock"):
             store.batched_put(keys, [b"a", b"b"], blocks=[1, None])  # type: ignore[list-item]
+
+
+def test_replay_without_events_is_refused_naming_the_options() -> None:
+    import argparse
+
+    from kvfabric._tools.server_build import kv_events_from
+
+    args = argparse.Namespace(kv_events=None, kv_events_replay="tcp://*:1", kv_events_topic="")
+    with pytest.raises(ConfigError, match=r"--kv-events-replay.*--kv-events"):
+        kv_events_from(args)
+    assert kv_events_from(argparse.Namespace(kv_events=None, kv_events_replay=None)) is None
+
+
+def test_an_endpoint_in_use_fails_at_start_naming_the_option() -> None:
+    first = KvEventPublisher("tcp://*:0")
+    try:
+        with pytest.raises(ConfigError, match="--kv-events: cannot bind"):
+            KvEventPublisher(first.endpoint.replace("0.0.0.0", "*"))
+    finally:
+        first.close()

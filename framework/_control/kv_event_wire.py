@@ -32,6 +32,7 @@ from typing import Any, TypeAlias
 
 import msgspec
 
+from kvfabric.keys import KEY_SIZE
 from kvfabric.spi.events import EngineBlock, EngineHash
 
 __all__ = ["MEDIUM", "Change", "EventKind", "decode_batch", "encode_batch", "to_events"]
@@ -68,46 +69,53 @@ def decode_batch(payload: bytes) -> tuple[float, list[Event], int | None]:
     return ts, events, rest[0] if rest else None
 
 
-def to_events(changes: Iterable[Change]) -> list[Event]:
+def to_events(changes: Iterable[Change]) -> list[Event | msgspec.Raw]:
     """The events of ``changes``, consecutive ones merged where vLLM's would be."""
-    events: list[Event] = []
+    events: list[Event | msgspec.Raw] = []
+    append = events.append
     chain: EngineBlock | None = None
     """The last block of the BlockStored at the end of ``events``, while more may join it."""
+    chained: Event = {}
+    """That BlockStored."""
+    removed: list[EngineHash] | None = None
+    """The hashes of the BlockRemoved at the end of ``events``, while more may join it."""
     for kind, key, what in changes:
-        last = events[-1] if events else None
         if kind is EventKind.STORED:
-            block = what if isinstance(what, EngineBlock) else None
-            if block is None:
-                events.append(_stored(key, None, (), 0, None, None))
+            removed = None
+            if what is None:
+                # The commonest event, spliced from its encoding: no map built per key.
+                append(msgspec.Raw(_KEY_STORED_HEAD + key + _KEY_STORED_TAIL))
                 chain = None
-            elif chain is not None and last is not None and _continues(chain, block):
-                last["block_hashes"].append(block.hash)
-                last["token_ids"].extend(block.token_ids)
-                chain = block
-            else:
-                events.append(
-                    _stored(
-                        block.hash,
-                        block.parent,
-                        block.token_ids,
-                        block.block_size,
-                        block.lora_id,
-                        block.lora_name,
-                    )
-                )
-                chain = block if _full(block) else None
+                continue
+            assert isinstance(what, EngineBlock)
+            if chain is not None and _continues(chain, what):
+                chained["block_hashes"].append(what.hash)
+                chained["token_ids"].extend(what.token_ids)
+                chain = what
+                continue
+            chained = _stored(
+                what.hash,
+                what.parent,
+                what.token_ids,
+                what.block_size,
+                what.lora_id,
+                what.lora_name,
+            )
+            append(chained)
+            chain = what if _full(what) else None
             continue
         chain = None
         if kind is EventKind.REMOVED:
-            engine_hash = what if isinstance(what, bytes | int) else key
-            if last is not None and last["type"] == "BlockRemoved":
-                last["block_hashes"].append(engine_hash)
+            engine_hash = key if what is None else what
+            assert not isinstance(engine_hash, EngineBlock)
+            if removed is None:
+                removed = [engine_hash]
+                append({"type": "BlockRemoved", "block_hashes": removed, "medium": MEDIUM})
             else:
-                events.append(
-                    {"type": "BlockRemoved", "block_hashes": [engine_hash], "medium": MEDIUM}
-                )
+                removed.append(engine_hash)
         else:
-            events.append({"type": "AllBlocksCleared"})
+            removed = None
+            append({"type": "AllBlocksCleared"})
     return events
 
 
@@ -150,3 +158,15 @@ def _continues(chain: EngineBlock, block: EngineBlock) -> bool:
         and block.lora_name == chain.lora_name
         and _full(block)
     )
+
+
+def _splice_template() -> tuple[bytes, bytes]:
+    """The encoding of a BlockStored named by a key, cut around the key: a key's event is
+    then ``head + key + tail``, byte for byte what encoding its map gives."""
+    placeholder = b"\xa5" * KEY_SIZE
+    encoded = _encoder.encode(_stored(placeholder, None, (), 0, None, None))
+    at = encoded.index(placeholder)
+    return encoded[:at], encoded[at + KEY_SIZE :]
+
+
+_KEY_STORED_HEAD, _KEY_STORED_TAIL = _splice_template()

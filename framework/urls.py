@@ -131,7 +131,19 @@ class RemoteOptions(ClientOptions):
     retry_interval: float = 1.0
     """After the controller failed to answer, calls fail fast this long before retrying."""
     secret_file: str | None = None
-    """File holding the deployment's shared secret (else ``KVFABRIC_SECRET``, if set)."""
+    """File holding the deployment's shared secret (else ``KVFABRIC_SECRET``, if set); with
+    ``tenant``, the tenant's secret."""
+    report_interval: float = 5.0
+    """Seconds between this client's usage reports to the controller (keys looked up, read
+    and written, and its calls' durations: the fleet's hit rate in ``kvfabric stats`` and
+    the controller's metrics); 0 reports only when the store closes."""
+    tenant: str | None = None
+    """The tenant this client is (docs/tenants.md): its keys are that tenant's namespace,
+    authenticated by the tenant's secret (``secret_file``)."""
+    controller_key: str | None = None
+    """With ``tenant``: the controller's public key (printed by the controller at start),
+    so a tenant's client, which does not hold the deployment's secret, still knows it talks
+    to that controller."""
 
 
 def _duration(
@@ -160,6 +172,9 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "control_timeout": _duration(above=0.0),
     "retry_interval": _duration(at_least=0.0),
     "secret_file": str,
+    "report_interval": _duration(at_least=0.0),
+    "tenant": str,
+    "controller_key": str,
 }
 
 SCHEMES: dict[str, type[ClientOptions]] = {

@@ -99,9 +99,10 @@ class Lookups:
             return 0
         copies = self._calls.ask(self._index.lookup_copies, keys)
         if copies is None:
+            self._counters.add("lookup_keys", len(keys))
             return 0
         found = self._remember(keys, copies)
-        self._counters.update(lookups=1, prefix_hits=found)
+        self._counters.update(lookups=1, lookup_keys=len(keys), prefix_hits=found)
         self._observer.observe(keys, found)
         return found
 
@@ -113,9 +114,12 @@ class Lookups:
         check_keys(keys)
         if not keys:
             return []
-        self._counters.add("exists_calls")
         flags = self._calls.ask(self._index.exists, keys)
-        return [False] * len(keys) if flags is None else flags
+        if flags is None:
+            self._counters.update(exists_calls=1, exists_keys=len(keys))
+            return [False] * len(keys)
+        self._counters.update(exists_calls=1, exists_keys=len(keys), exists_hits=flags.count(True))
+        return flags
 
     def locate(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
         """``Store.locate``: asked of the index now; the prefetch cache is left alone."""
@@ -174,6 +178,7 @@ class Lookups:
         if stop == ImageStop.HIT or stop == ImageStop.MISS:
             self._counters.update(
                 lookups=1,
+                lookup_keys=len(keys),
                 prefix_hits=hits,
                 onesided_lookups=1,
                 image_round_trips=trips,
@@ -188,6 +193,7 @@ class Lookups:
         total = hits + (self._remember(keys[hits:], copies) if copies is not None else 0)
         self._counters.update(
             lookups=1,
+            lookup_keys=len(keys),
             prefix_hits=total,
             image_fallbacks=1,
             image_unavailable=int(stop == ImageStop.UNUSABLE),
@@ -216,10 +222,15 @@ class Lookups:
         except TypeError:
             check_keys(keys)
             raise
-        self._counters.update(exists_calls=1, image_round_trips=trips)
         found = [state == ImageStop.HIT for state in states]
         if ImageStop.UNKNOWN not in states:
-            self._counters.add("onesided_lookups")
+            self._counters.update(
+                exists_calls=1,
+                exists_keys=len(keys),
+                exists_hits=found.count(True),
+                image_round_trips=trips,
+                onesided_lookups=1,
+            )
             return found
         unknown = [i for i, state in enumerate(states) if state == ImageStop.UNKNOWN]
         self._counters.add("image_fallbacks")
@@ -227,4 +238,10 @@ class Lookups:
         if flags is not None:
             for i, flag in zip(unknown, flags, strict=True):
                 found[i] = flag
+        self._counters.update(
+            exists_calls=1,
+            exists_keys=len(keys),
+            exists_hits=found.count(True),
+            image_round_trips=trips,
+        )
         return found

@@ -17,6 +17,7 @@ from kvfabric._control.session import CHUNK_BYTES, CHUNK_KEYS, allowance, chunks
 from kvfabric._runtime.codec import Reader
 from kvfabric._wire import protocol as p
 from kvfabric._wire.protocol import ErrorCode, ImageLocation, MsgType
+from kvfabric._wire.usage import write_usage
 from kvfabric.descriptor import Descriptor, PackedDescriptors
 from kvfabric.errors import ControllerUnavailableError
 from kvfabric.keys import KEY_SIZE
@@ -164,6 +165,18 @@ class RemoteIndex(Index):
 
     def touch(self, keys: Sequence[bytes]) -> None:
         self._ask(MsgType.TOUCH, keys, KEY_SIZE, p.write_keys, _nothing)
+
+    def report_usage(self, usage: dict[str, int]) -> bool:
+        """Send one usage report (:mod:`kvfabric._wire.usage`); False if the controller
+        takes none (it predates them)."""
+        try:
+            r = self.client.call(MsgType.USAGE, write_usage(usage))
+        except ControllerRefusedError as exc:
+            if exc.code == ErrorCode.UNKNOWN_TYPE:
+                return False
+            raise
+        r.end()
+        return True
 
     def image_location(self) -> ImageLocation | None:
         """Where the controller serves its index's lookup image; None if it serves none

@@ -21,6 +21,8 @@ from kvfabric._control.kv_events import KvEventPublisher
 from kvfabric._control.reservations import ReservationLimits
 from kvfabric._control.security import Credentials, load_secret
 from kvfabric._control.session import CHUNK_BYTES
+from kvfabric._control.tenant_config import TenantSpec, load_tenants
+from kvfabric._control.tenant_gate import TenantGate
 from kvfabric._node.capacity import check_capacity
 from kvfabric._node.membership import ControllerMembership, IndexMembership, Membership
 from kvfabric._node.node import DataNode
@@ -49,6 +51,7 @@ __all__ = [
     "node_from",
     "plugin_settings",
     "reservation_limits_from",
+    "tenants_from",
 ]
 
 MIN_FRAME = 1 << 20
@@ -85,6 +88,12 @@ def credentials_from(args: argparse.Namespace) -> Credentials | None:
     """``--secret-file`` (else ``$KVFABRIC_SECRET``) as credentials, or None: unsecured."""
     secret = load_secret(args.secret_file)
     return Credentials.from_secret(secret) if secret else None
+
+
+def tenants_from(args: argparse.Namespace) -> list[TenantSpec] | None:
+    """``--tenants FILE``, read and checked (None: no tenants)."""
+    path = getattr(args, "tenants", None)
+    return load_tenants(path) if path else None
 
 
 def plugin_settings(args: argparse.Namespace, *, index: bool = True) -> PluginOptions:
@@ -148,6 +157,7 @@ def controller_from(
     credentials: Credentials | None,
     index: IndexPlugin,
     image_servers: dict[str, TransportServer],
+    tenants: list[TenantSpec] | None = None,
     kv_events: KvEventPublisher | None = None,
 ) -> Controller:
     return Controller(
@@ -159,6 +169,7 @@ def controller_from(
         freeze_long_lived=True,  # a process of its own (with `serve`, its node's agents)
         max_frame=max_frame_from(args.max_frame),
         reservation_limits=reservation_limits_from(args),
+        tenants=TenantGate(tenants) if tenants else None,
         kv_events=kv_events,
     )
 
@@ -200,13 +211,18 @@ def _transport_names(text: str) -> list[str]:
     return [] if names == ["none"] else names
 
 
-def _transport_config(args: argparse.Namespace, credentials: Credentials | None) -> TransportConfig:
+def _transport_config(
+    args: argparse.Namespace,
+    credentials: Credentials | None,
+    tenants: list[TenantSpec] | None = None,
+) -> TransportConfig:
     return TransportConfig(
         host=check_host(args.host, "--host"),
         advertise=None if args.advertise is None else check_host(args.advertise, "--advertise"),
         port=args.port,
         timeout=duration(args.timeout, "--timeout"),
         token=credentials.data_token if credentials else b"",
+        tenant_tokens=tuple((t.keys.data_token, t.keys.tag) for t in tenants or ()),
     )
 
 
@@ -235,6 +251,8 @@ def image_servers_from(
     """
     plugins = plugin_manager()
     classes = {name: plugins.transport(name) for name in _transport_names(args.transport)}
+    # No tenant keys: a tenant's client reads no lookup image (it is every tenant's), it
+    # asks the controller, which keeps tenants apart.
     config = _transport_config(args, credentials)
     servers: dict[str, TransportServer] = {}
     try:
@@ -263,7 +281,10 @@ def close_servers(servers: dict[str, TransportServer]) -> None:
 
 
 def node_from(
-    args: argparse.Namespace, credentials: Credentials | None, settings: PluginOptions
+    args: argparse.Namespace,
+    credentials: Credentials | None,
+    settings: PluginOptions,
+    tenants: list[TenantSpec] | None = None,
 ) -> DataNode:
     capacity = _size(args.capacity, "--capacity")
     region_size = min(_size(args.region_size, "--region-size"), capacity)
@@ -283,7 +304,7 @@ def node_from(
             backend_config=BackendConfig(
                 capacity=capacity, region_size=region_size, path=args.path
             ),
-            transport_config=_transport_config(args, credentials),
+            transport_config=_transport_config(args, credentials, tenants),
             name=args.name,
             plugin_options=settings,
         )

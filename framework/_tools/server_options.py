@@ -122,6 +122,18 @@ def add_secret_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_tenants_option(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("--tenants", default=None, metavar="FILE", help=help)
+
+
+_TENANTS_HELP = (
+    "serve tenants: a TOML file with one [NAME] table per tenant (secret_file, quota as a "
+    "size, optional ttl as a duration); each tenant's clients connect with tenant=NAME and "
+    "that tenant's secret, and see only their own keys (docs/tenants.md). Needs "
+    "--secret-file"
+)
+
+
 def add_timeout_option(parser: argparse.ArgumentParser, help: str) -> None:
     """``--timeout``: what it bounds is the command's own (``help``)."""
     parser.add_argument("--timeout", default="2s", metavar="DURATION", help=help)
@@ -365,6 +377,7 @@ def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     _add_controller_options(controller)
     _add_kv_events_options(controller)
+    _add_tenants_option(controller, _TENANTS_HELP)
     _add_image_options(controller)
     _add_metrics_options(controller)
     add_timeout_option(
@@ -384,6 +397,11 @@ def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     add_controller_address(node, CONTROLLER_ADDRESS)
     add_shared_index_options(node, "register with")
     _add_node_options(node)
+    _add_tenants_option(
+        node,
+        "the controller's tenants file: this node's tcp port then also admits each tenant's "
+        "clients (by their tenant's secret)",
+    )
     _add_metrics_options(node)
     _add_common(node)
     node.set_defaults(func=_run_node)
@@ -397,6 +415,7 @@ def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     _add_controller_options(serve)
     _add_kv_events_options(serve)
+    _add_tenants_option(serve, _TENANTS_HELP)
     _add_node_options(serve)
     _add_metrics_options(serve)
     _add_common(serve)

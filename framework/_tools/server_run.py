@@ -25,6 +25,9 @@ import zmq
 from kvfabric._control.client import ControlClient
 from kvfabric._control.controller import Controller
 from kvfabric._control.remote_index import fetch_stats
+from kvfabric._control.security import Credentials
+from kvfabric._control.tenant_config import TenantSpec
+from kvfabric._control.tenant_keys import controller_key
 from kvfabric._node.agent import NodeAgent
 from kvfabric._node.membership import Membership
 from kvfabric._node.node import DataNode
@@ -43,6 +46,7 @@ from kvfabric._tools.server_build import (
     membership_from,
     node_from,
     plugin_settings,
+    tenants_from,
 )
 from kvfabric.errors import KvfabricError
 from kvfabric.spi.units import format_size
@@ -114,6 +118,19 @@ def _kv_events_words(controller: Controller) -> str:
     return f"; KV events on {events.endpoint}{replay}"
 
 
+def _tenant_words(
+    endpoint: str, credentials: Credentials | None, tenants: list[TenantSpec] | None
+) -> str:
+    """For the ready line: how a tenant's client connects."""
+    if not tenants or credentials is None:
+        return ""
+    return (
+        f"; tenants {', '.join(t.name for t in tenants)} connect with "
+        f"kvfabric://{_host_port(endpoint)}?tenant=NAME&secret_file=FILE"
+        f"&controller_key={controller_key(credentials)}"
+    )
+
+
 def _host_port(endpoint: str) -> str:
     host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
     return f"{host}:{port}"
@@ -142,13 +159,23 @@ def _controller_stats(endpoint: Callable[[], str], args: argparse.Namespace) -> 
 
 
 @contextmanager
-def _metrics(args: argparse.Namespace, fetch: Callable[[], Scopes], source: str) -> Iterator[str]:
-    """Serve ``fetch``'s counters on ``--metrics-port`` if given; yields the ready-line part."""
+def _metrics(
+    args: argparse.Namespace,
+    fetch: Callable[[], Scopes],
+    source: str,
+    *,
+    nodes: bool = True,
+    image: bool = True,
+) -> Iterator[str]:
+    """Serve ``fetch``'s counters on ``--metrics-port`` if given; yields the ready-line part.
+    ``nodes``/``image``: whether this process exports its nodes' and its lookup image's
+    servers' counters (each value by the process that owns it)."""
     if args.metrics_port is None:
         yield ""
         return
     host = check_host(args.metrics_host, "--metrics-host")
-    server = MetricsServer(ScopesCollector(fetch, source), host, args.metrics_port)
+    collector = ScopesCollector(fetch, source, nodes=nodes, image=image)
+    server = MetricsServer(collector, host, args.metrics_port)
     try:
         yield f"; metrics at {server.url}"
     finally:
@@ -156,11 +183,17 @@ def _metrics(args: argparse.Namespace, fetch: Callable[[], Scopes], source: str)
 
 
 def _controller_metrics(
-    args: argparse.Namespace, controller: Controller
+    args: argparse.Namespace, controller: Controller, *, serve: bool = False
 ) -> AbstractContextManager[str]:
-    """The controller's counters (asked of it once it is bound) on ``--metrics-port``."""
+    """The controller's counters (asked of it once it is bound) on ``--metrics-port``: a
+    controller's own, or in ``serve`` its node's too, without the image's servers (they are
+    the node's)."""
     return _metrics(
-        args, lambda: _controller_stats(lambda: controller.endpoint, args), "the controller"
+        args,
+        lambda: _controller_stats(lambda: controller.endpoint, args),
+        "the controller",
+        nodes=serve,
+        image=not serve,
     )
 
 
@@ -206,13 +239,14 @@ def _announce_waiting(agent: NodeAgent, membership: Membership, secured: bool) -
 def run_controller(args: argparse.Namespace) -> int:
     settings = plugin_settings(args)
     credentials = credentials_from(args)
+    tenants = tenants_from(args)
     index = index_from(args, settings)
     try:
         servers = image_servers_from(args, credentials, settings)
         kv_events = None
         try:
             kv_events = kv_events_from(args)
-            controller = controller_from(args, credentials, index, servers, kv_events)
+            controller = controller_from(args, credentials, index, servers, tenants, kv_events)
             settings.check_all_claimed("controller")
             with _controller_metrics(args, controller) as metrics:
                 _stop_on_signals(controller.stop)
@@ -222,7 +256,8 @@ def run_controller(args: argparse.Namespace) -> int:
                     lambda endpoint: print(
                         f"kvfabric controller listening on {endpoint} (index {args.index})"
                         f"{_image_words(controller)}{_kv_events_words(controller)}{metrics}; "
-                        f"clients connect with kvfabric://{_host_port(endpoint)}",
+                        f"clients connect with kvfabric://{_host_port(endpoint)}"
+                        f"{_tenant_words(endpoint, credentials, tenants)}",
                         flush=True,
                     ),
                 )
@@ -237,9 +272,10 @@ def run_controller(args: argparse.Namespace) -> int:
 
 def run_node(args: argparse.Namespace) -> int:
     credentials = credentials_from(args)
+    tenants = tenants_from(args)
     membership, shared_index = membership_from(args, credentials)
     try:
-        node = node_from(args, credentials, plugin_settings(args, index=False))
+        node = node_from(args, credentials, plugin_settings(args, index=False), tenants)
     except BaseException:
         membership.close()
         raise
@@ -288,10 +324,11 @@ def run_node(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     credentials = credentials_from(args)
+    tenants = tenants_from(args)
     settings = plugin_settings(args)
     index = index_from(args, settings)
     try:
-        node = node_from(args, credentials, settings)
+        node = node_from(args, credentials, settings, tenants)
     except BaseException:
         index.close()
         raise
@@ -300,8 +337,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         kv_events = kv_events_from(args)
         # The node's transport servers serve the lookup image too: one port per transport.
-        controller = controller_from(args, credentials, index, node.servers, kv_events)
-        with _controller_metrics(args, controller) as metrics:
+        controller = controller_from(args, credentials, index, node.servers, tenants, kv_events)
+        with _controller_metrics(args, controller, serve=True) as metrics:
             _stop_on_signals(controller.stop)
 
             def ready(endpoint: str) -> None:
@@ -329,8 +366,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 print(
                     f"kvfabric serving on {endpoint}: node {node.name}, {_describe(node)}"
                     f"{_image_words(controller)}{_kv_events_words(controller)}{metrics}; "
-                    "connect with "
-                    f"kvfabric://{_host_port(endpoint)}",
+                    f"connect with kvfabric://{_host_port(endpoint)}"
+                    f"{_tenant_words(endpoint, credentials, tenants)}",
                     flush=True,
                 )
 

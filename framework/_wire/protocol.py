@@ -36,7 +36,10 @@ as its own grant.
 A client asks once where the index's lookup image is (``IMAGE``: the transports that serve
 it, and for a client on the controller's host the file to map) and answers lookups from it;
 the keys it hit there it reports in the background, batched (``TOUCH``), so eviction still
-sees their use.
+sees their use. What it counted (keys looked up, read and written, by outcome, and its calls'
+durations) it reports every few seconds as the difference since its last report
+(``USAGE``, :mod:`kvfabric._wire.usage`), so the controller can show the fleet's hit rate;
+a controller that predates it answers ``UNKNOWN_TYPE`` and the client stops reporting.
 
 The requests that reserve space (``ALLOCATE``, ``LEASE_EXTENTS``) begin with the client's
 id (u64), a random number each client draws when it connects: the controller bounds what
@@ -164,6 +167,7 @@ class MsgType(enum.IntEnum):
     TOUCH = 17
     LEASE_EXTENTS = 18
     PUBLISH_CARVED = 19
+    USAGE = 20
     ERROR = 0x7FFF
 
 
@@ -174,6 +178,9 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_NODE = 4
     INTERNAL = 5
     NAME_IN_USE = 6
+    FORBIDDEN = 7
+    """Not a request this connection's credential may make (a tenant's client sent a data
+    node's request, asked for stats or for extents)."""
 
 
 class FrameError(ProtocolError):

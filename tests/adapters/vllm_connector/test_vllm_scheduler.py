@@ -144,6 +144,7 @@ def test_lookup_costs_no_control_rpc_and_counts_blocks_every_rank_holds(
         "lookup_blocks": 10,
         "lookup_hit_blocks": 6,
         "lookup_control_rpcs": 0,  # the store answers from its index's lookup image
+        "lookup_deferrals": 0,
         "hit_blocks": 0,  # counted when vLLM admits the request
         "miss_blocks": 0,
         "invalid_blocks_reported": 0,

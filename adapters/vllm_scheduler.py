@@ -31,6 +31,7 @@ from typing import Any
 import attrs
 
 import kvfabric
+from kvfabric.adapters.vllm_events import EngineView
 from kvfabric.adapters.vllm_keys import KeySpace, Rank
 from kvfabric.adapters.vllm_metadata import KVFabricHandshake, KVFabricMetadata, Transfer
 from kvfabric.adapters.vllm_stats import IntervalStats, KVFabricConnectorStats
@@ -347,10 +348,23 @@ class SchedulerSide:
                     cache_salt=state.request.cache_salt,
                     block_hashes=tuple(state.request.block_hashes[state.stored_upto : full]),
                     block_ids=tuple(block_ids[state.stored_upto : full]),
+                    engine=self._engine_view(state.request, state.stored_upto, full),
                 )
             )
             state.stored_upto = full
         return meta
+
+    def _engine_view(self, request: Any, start: int, end: int) -> EngineView:
+        """vLLM's view of blocks ``start`` to ``end`` of ``request``, for the KV events."""
+        bs = self._block_size
+        lora = request.lora_request
+        return EngineView(
+            parent=request.block_hashes[start - 1] if start else None,
+            token_ids=tuple(request.all_token_ids[start * bs : end * bs]),
+            block_size=bs,
+            lora_id=lora.adapter_id if lora else None,
+            lora_name=lora.name if lora else None,
+        )
 
     def update_connector_output(self, invalid_block_ids: set[int]) -> None:
         """The workers could not load ``invalid_block_ids``: vLLM recomputes them."""

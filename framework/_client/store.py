@@ -58,6 +58,7 @@ from kvfabric._plugins import PluginManager
 from kvfabric._runtime import forks
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ControllerUnavailableError
+from kvfabric.spi.events import EngineBlock
 from kvfabric.spi.index import Index, IndexPlugin
 from kvfabric.urls import ClientOptions
 
@@ -338,7 +339,13 @@ class Store:
 
     # -- writes ------------------------------------------------------------------------
 
-    def batched_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[PutOutcome]:
+    def batched_put(
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        *,
+        blocks: Sequence[EngineBlock | None] | None = None,
+    ) -> list[PutOutcome]:
         """Store values under keys: the writes and one publish call, after one allocate
         call where the index places each key (where it leases extents and this client reads
         its lookup image, the records go into an extent this client holds instead).
@@ -349,11 +356,16 @@ class Store:
         while this one wrote; a controller or data-node failure makes ``FAILED`` outcomes,
         counted. Raises :class:`ValueTooLargeError` before doing anything if a value exceeds
         ``max_value``.
+
+        ``blocks``: what the tier's KV events should say of each key, one
+        :class:`~kvfabric.EngineBlock` (or None) per key: the block as the engine knows it
+        (its hash, its parent's, its tokens), so a router that tracks the engine's block
+        hashes matches the events; without one an event names the block by its key.
         """
         if self._generation != forks.generation():
             self._after_fork()
         started = time.perf_counter_ns()
-        outcomes = self._writes.put(keys, values)
+        outcomes = self._writes.put(keys, values, blocks)
         self._times.observe(PUT, time.perf_counter_ns() - started)
         return outcomes
 

@@ -24,6 +24,7 @@ from kvfabric._client.store import Opener, Store
 from kvfabric._control.tenant_keys import TenantKeys
 from kvfabric._plugins import PluginManager
 from kvfabric.descriptor import Descriptor
+from kvfabric.spi.events import EngineBlock
 from kvfabric.urls import ClientOptions
 
 __all__ = ["TenantStore"]
@@ -74,7 +75,15 @@ class TenantStore(Store):
     ) -> list[bool]:
         return super().batched_get_scattered(self.index_keys(keys), into)
 
-    def batched_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[PutOutcome]:
+    def batched_put(
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        *,
+        blocks: Sequence[EngineBlock | None] | None = None,
+    ) -> list[PutOutcome]:
+        """``Store.batched_put``; ``blocks`` are taken and not sent: a tenant's values are
+        told in the KV events by their index keys alone (docs/kv-events.md)."""
         return super().batched_put(self.index_keys(keys), values)
 
     def delete(self, keys: Sequence[bytes]) -> int:

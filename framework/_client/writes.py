@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any, TypeAlias
 
 from kvfabric._client.carved_writes import CarvedWrites
+from kvfabric._client.engine_blocks import Blocks, blocks_for, described
 from kvfabric._client.index_calls import IndexCalls
 from kvfabric._client.key_checks import check_keys
 from kvfabric._client.prefetch import PrefetchCache
@@ -36,6 +37,7 @@ from kvfabric._client.topology import Topology
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ValueTooLargeError
 from kvfabric.spi.counters import Counters
+from kvfabric.spi.events import EngineBlock
 from kvfabric.spi.index import AllocationKind, AllocationRequest, GrantRef
 
 __all__ = ["PUT_ROUND_KEYS", "Writes"]
@@ -85,11 +87,17 @@ class Writes:
         self._max_value = max_value
         self._carved = carved
 
-    def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[PutOutcome]:
+    def put(
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        blocks: Sequence[EngineBlock | None] | None = None,
+    ) -> list[PutOutcome]:
         """``Store.batched_put``."""
         check_keys(keys)
         if len(values) != len(keys):
             raise ValueError(f"{len(values)} values for {len(keys)} keys")
+        by_key = described(keys, blocks)
         if not keys:
             return []
         pieces = [value_pieces(v) for v in values]
@@ -102,7 +110,7 @@ class Writes:
                 )
         self._prefetch.drop(keys)
         self._counters.add("puts")
-        outcomes = self._rounds(keys, pieces, lengths)
+        outcomes = self._rounds(keys, pieces, lengths, by_key)
         # The controller lets one client hold only so much reserved at once: a put larger
         # than that gets NO_SPACE for what did not fit while the rest was stored. What was
         # stored is published now, its reservation released: store the rest in further
@@ -114,7 +122,10 @@ class Writes:
             if not left:
                 break
             again = self._rounds(
-                [keys[i] for i in left], [pieces[i] for i in left], [lengths[i] for i in left]
+                [keys[i] for i in left],
+                [pieces[i] for i in left],
+                [lengths[i] for i in left],
+                by_key,
             )
             progress = PutOutcome.STORED in again
             # Counted once, as what they finally are: the pass counted the ones still left.
@@ -124,24 +135,34 @@ class Writes:
         return outcomes
 
     def _rounds(
-        self, keys: Sequence[bytes], pieces: Sequence[list[memoryview]], lengths: Sequence[int]
+        self,
+        keys: Sequence[bytes],
+        pieces: Sequence[list[memoryview]],
+        lengths: Sequence[int],
+        blocks: Blocks,
     ) -> list[PutOutcome]:
         if len(keys) <= PUT_ROUND_KEYS:
-            return self._put_round(keys, pieces, lengths)
+            return self._put_round(keys, pieces, lengths, blocks)
         outcomes: list[PutOutcome] = []
         for start in range(0, len(keys), PUT_ROUND_KEYS):
             end = start + PUT_ROUND_KEYS
-            outcomes += self._put_round(keys[start:end], pieces[start:end], lengths[start:end])
+            outcomes += self._put_round(
+                keys[start:end], pieces[start:end], lengths[start:end], blocks
+            )
         return outcomes
 
     def _put_round(
-        self, keys: Sequence[bytes], pieces: Sequence[list[memoryview]], lengths: Sequence[int]
+        self,
+        keys: Sequence[bytes],
+        pieces: Sequence[list[memoryview]],
+        lengths: Sequence[int],
+        blocks: Blocks,
     ) -> list[PutOutcome]:
         if self._carved is not None:
-            carved = self._carved.put(keys, pieces, lengths)
+            carved = self._carved.put(keys, pieces, lengths, blocks)
             if carved is not None:
                 return carved
-        return self._put_allocated(keys, pieces, lengths)
+        return self._put_allocated(keys, pieces, lengths, blocks)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """``Store.delete``."""
@@ -157,7 +178,11 @@ class Writes:
         return removed
 
     def _put_allocated(
-        self, keys: Sequence[bytes], pieces: Sequence[list[memoryview]], lengths: Sequence[int]
+        self,
+        keys: Sequence[bytes],
+        pieces: Sequence[list[memoryview]],
+        lengths: Sequence[int],
+        blocks: Blocks,
     ) -> list[PutOutcome]:
         """The put where the index places each key: allocate, write, publish."""
         requests = [AllocationRequest(key=k, length=n) for k, n in zip(keys, lengths, strict=True)]
@@ -188,7 +213,7 @@ class Writes:
             self._counters.add("late_writes_avoided", len(granted))
             failed = list(granted)
         else:
-            written, failed, unknown, published = self._write(granted, pieces)
+            written, failed, unknown, published = self._write(granted, pieces, blocks)
         failed_keys = {
             i for i, _ in granted if outcomes[i] is PutOutcome.STORED and i not in published
         }
@@ -218,7 +243,9 @@ class Writes:
         )
         return outcomes
 
-    def _write(self, granted: list[Copy], pieces: Sequence[list[memoryview]]) -> _Written:
+    def _write(
+        self, granted: list[Copy], pieces: Sequence[list[memoryview]], blocks: Blocks
+    ) -> _Written:
         """Write the granted copies and publish those that landed: returns the copies
         written, the copies not published (write or publish failed), those whose publish
         the index could not tell of (held still: their records may be wiped) and the
@@ -239,8 +266,12 @@ class Writes:
         published: set[int] = set()
         unknown: list[Copy] = []
         if written:
-            told = self._calls.publish(
-                self._index.publish, [GrantRef.of(d, crc) for (_, d), crc in written]
+            grants = [GrantRef.of(d, crc) for (_, d), crc in written]
+            mine = blocks_for([g.key for g in grants], blocks) if blocks else None
+            told = (
+                self._calls.publish(self._index.publish_described, grants, mine)
+                if mine
+                else self._calls.publish(self._index.publish, grants)
             )
             flags = told.values if told is not None else [False] * len(written)
             # Each copy published is one bucket of the image rewritten (its key's or an

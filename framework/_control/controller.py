@@ -22,6 +22,12 @@ one connection can hold at most ``RECEIVE_QUEUE x max_frame`` bytes of it. Clien
 large requests as chunks far below the bound (:mod:`kvfabric._control.session`). What each
 client may hold *reserved* in the index is bounded too (:mod:`kvfabric._control.reservations`).
 
+Given a KV event publisher (``--kv-events``: :mod:`kvfabric._control.kv_events`), the
+controller has its index report every entry stored and removed to it. A controller starts
+with an empty index, whatever one before it held, so the first event it publishes is
+``AllBlocksCleared``: a router drops what it learnt from the controller's predecessor, and
+the stores that follow (the nodes' records restored, new puts) build its view afresh.
+
 With tenants (:mod:`kvfabric._control.tenant_gate`), the credential each frame's connection
 proved decides which handlers serve it: a tenant's reach only its own namespace, within its
 quota.
@@ -43,6 +49,7 @@ import zmq
 from kvfabric._control.client_requests import CLIENT_TYPES, ClientRequests
 from kvfabric._control.client_usage import ClientUsage
 from kvfabric._control.image_publisher import ImagePublisher
+from kvfabric._control.kv_events import KvEventPublisher
 from kvfabric._control.node_members import NodeMembers
 from kvfabric._control.refusal import Handler, Refusal
 from kvfabric._control.reservations import ReservationLimits, Reservations
@@ -86,6 +93,7 @@ class Controller:
         freeze_long_lived: bool = False,
         max_frame: int = MAX_FRAME,
         reservation_limits: ReservationLimits | None = None,
+        kv_events: KvEventPublisher | None = None,
         tenants: TenantGate | None = None,
     ) -> None:
         """``image_servers``: transport servers (by name) to serve the index's lookup image
@@ -93,9 +101,11 @@ class Controller:
         exempt what outlived the young generations from later full collections (for a
         process of the controller's own; see :meth:`_freeze_gc`). ``max_frame``: the
         largest frame taken, in bytes. ``reservation_limits``: what one client may hold
-        reserved (default: :class:`ReservationLimits`'s). ``tenants``: the tenants served
-        beside the deployment's own clients (needs ``credentials``: a tenant is known by
-        the key its connection proved)."""
+        reserved (default: :class:`ReservationLimits`'s). ``kv_events``: where the index's
+        changes are published (the controller starts its thread, and closes it when it
+        stops serving); a ConfigError if the index reports none. ``tenants``: the tenants
+        served beside the deployment's own clients (needs ``credentials``: a tenant is known
+        by the key its connection proved)."""
         if tenants is not None and credentials is None:
             raise ConfigError(
                 "--tenants needs the deployment's secret (--secret-file or KVFABRIC_SECRET): "
@@ -125,9 +135,21 @@ class Controller:
         self._reservations = Reservations(
             reservation_limits or ReservationLimits(), self._capacity_now, self._counters
         )
+        self._kv_events = kv_events
+        if kv_events is not None:
+            # Whatever a controller before this one published is not held here: routers
+            # start their view afresh, before the first store.
+            kv_events.queue.cleared()
+            if not index.report_events(kv_events.queue):
+                raise ConfigError(
+                    f"--kv-events: the {index.name} index reports no KV events (the memory "
+                    "index does; see docs/kv-events.md)"
+                )
         self._usage = ClientUsage()
         self._handlers: dict[int, Handler] = {
-            **ClientRequests(index, self._image, self._reservations).handlers,
+            **ClientRequests(
+                index, self._image, self._reservations, kv_events=kv_events is not None
+            ).handlers,
             **self._nodes.handlers,
             **self._usage.handlers,
             MsgType.STATS: self._stats,
@@ -146,6 +168,11 @@ class Controller:
             total = sum(r.size for node in self.index.nodes() for r in node.regions)
             self._capacity = (generation, total)
         return self._capacity[1]
+
+    @property
+    def kv_events(self) -> KvEventPublisher | None:
+        """Where the index's KV events are published, if they are."""
+        return self._kv_events
 
     @property
     def image(self) -> p.ImageLocation | None:
@@ -170,6 +197,8 @@ class Controller:
             sock.bind(self.listen)
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._image.publish()
+            if self._kv_events is not None:
+                self._kv_events.start()
             log.info("controller listening on %s (epoch %x)", self.endpoint, self.epoch)
             if ready is not None:
                 ready(self.endpoint)
@@ -179,6 +208,8 @@ class Controller:
             if authenticator is not None:
                 authenticator.stop()
             context.term()
+            if self._kv_events is not None:
+                self._kv_events.close()
 
     def _loop(self, sock: zmq.Socket[bytes]) -> None:
         # A plain poll loop, not asyncio: an asyncio ROUTER adds its own scheduling to every
@@ -346,6 +377,7 @@ class Controller:
             **({"gc_frozen_objects": gc.get_freeze_count()} if self._freeze_long_lived else {}),
             # The work the image's servers did (in ``serve``, the node's servers: all of it).
             **self._image.server_stats(),
+            **(self._kv_events.stats() if self._kv_events is not None else {}),
         }
         if self._image.restarts:
             controller["image_server_restarts"] = self._image.restarts

@@ -8,7 +8,7 @@ writes, whose outcomes must be known, are :mod:`kvfabric._control.remote_writes`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from kvfabric._control.client import ControlClient, ControllerRefusedError
@@ -21,6 +21,7 @@ from kvfabric._wire.usage import write_usage
 from kvfabric.descriptor import Descriptor, PackedDescriptors
 from kvfabric.errors import ControllerUnavailableError
 from kvfabric.keys import KEY_SIZE
+from kvfabric.spi.events import EngineBlock
 from kvfabric.spi.index import (
     AllocateResult,
     AllocationRequest,
@@ -118,6 +119,12 @@ class RemoteIndex(Index):
         raises :class:`~kvfabric._control.remote_writes.OutcomeUnknownError`."""
         return self._writes.publish(grants)
 
+    def publish_described(
+        self, grants: Sequence[GrantRef], blocks: Mapping[bytes, EngineBlock]
+    ) -> list[bool]:
+        """:meth:`publish`, the blocks sent with their grants for the controller's events."""
+        return self._writes.publish(grants, blocks)
+
     def lease_extents(
         self,
         need: int,
@@ -133,6 +140,14 @@ class RemoteIndex(Index):
     ) -> list[CarveOutcome]:
         """As :meth:`publish`, for records laid into extents."""
         return self._writes.publish_carved(records, again)
+
+    def publish_carved_described(
+        self,
+        records: Sequence[CarvedRecord],
+        again: Sequence[bytes],
+        blocks: Mapping[bytes, EngineBlock],
+    ) -> list[CarveOutcome]:
+        return self._writes.publish_carved(records, again, blocks)
 
     def abort(self, grants: Sequence[GrantRef]) -> None:
         self._writes.abort(grants)

@@ -158,6 +158,30 @@ _CONTROLLER: dict[str, _Spec] = {
         "controller_extent_leases_refused",
         "Extents not leased because their client held its bound.",
     ),
+    # --kv-events (docs/kv-events.md)
+    "kv_events_published": _c(
+        "controller_kv_events_published",
+        "KV events sent on --kv-events (each block stored or removed, each clear).",
+    ),
+    "kv_event_batches": _c(
+        "controller_kv_event_batches", "KV event batches sent (one sequence number each)."
+    ),
+    "kv_events_dropped": _c(
+        "controller_kv_events_dropped",
+        "KV events dropped before they were sent, because changes came faster than the "
+        "publisher sent them (subscribers see a gap replay cannot fill).",
+    ),
+    "kv_event_gaps": _c(
+        "controller_kv_event_gaps", "Sequence numbers skipped for dropped KV events."
+    ),
+    "kv_events_queued": _g("controller_kv_events_queued", "KV events waiting to be sent."),
+    "kv_event_replay_requests": _c(
+        "controller_kv_event_replay_requests",
+        "Replay requests answered on --kv-events-replay.",
+    ),
+    "kv_events_replayed": _c(
+        "controller_kv_events_replayed", "KV event batches sent again on the replay socket."
+    ),
     "gc_frozen_objects": _g(
         "controller_gc_frozen_objects",
         "Objects exempted from the controller's full garbage collections.",

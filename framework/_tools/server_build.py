@@ -17,6 +17,7 @@ import attrs
 from kvfabric._client.shared_index import check_shared
 from kvfabric._control.controller import Controller
 from kvfabric._control.image_process import ImageProcessServer
+from kvfabric._control.kv_events import KvEventPublisher
 from kvfabric._control.reservations import ReservationLimits
 from kvfabric._control.security import Credentials, load_secret
 from kvfabric._control.session import CHUNK_BYTES
@@ -44,6 +45,7 @@ __all__ = [
     "image_servers_from",
     "index_from",
     "index_from_options",
+    "kv_events_from",
     "max_frame_from",
     "membership_from",
     "node_from",
@@ -139,12 +141,24 @@ def index_from_options(name: str, index_opt: list[str]) -> IndexPlugin:
     return index
 
 
+def kv_events_from(args: argparse.Namespace) -> KvEventPublisher | None:
+    """``--kv-events`` (with ``--kv-events-replay`` and ``--kv-events-topic``): the
+    publisher, its sockets open; None without ``--kv-events``."""
+    endpoint = getattr(args, "kv_events", None)
+    if endpoint is None:
+        if getattr(args, "kv_events_replay", None) is not None:
+            raise ConfigError("--kv-events-replay: replays events; give --kv-events too")
+        return None
+    return KvEventPublisher(endpoint, replay=args.kv_events_replay, topic=args.kv_events_topic)
+
+
 def controller_from(
     args: argparse.Namespace,
     credentials: Credentials | None,
     index: IndexPlugin,
     image_servers: dict[str, TransportServer],
     tenants: list[TenantSpec] | None = None,
+    kv_events: KvEventPublisher | None = None,
 ) -> Controller:
     return Controller(
         listen=control_endpoint(args.listen, "--listen"),
@@ -156,6 +170,7 @@ def controller_from(
         max_frame=max_frame_from(args.max_frame),
         reservation_limits=reservation_limits_from(args),
         tenants=TenantGate(tenants) if tenants else None,
+        kv_events=kv_events,
     )
 
 

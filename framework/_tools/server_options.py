@@ -237,6 +237,32 @@ def _add_controller_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_kv_events_options(parser: argparse.ArgumentParser) -> None:
+    """Where the index's KV events are published, in vLLM's format (controller, serve)."""
+    parser.add_argument(
+        "--kv-events",
+        default=None,
+        metavar="ENDPOINT",
+        help="publish KV events (what the store holds: blocks stored, removed, cleared) on "
+        "a ZeroMQ PUB socket, as vLLM's --kv-events-config does: tcp://*:PORT binds (a "
+        "subscriber connects), tcp://HOST:PORT connects to a subscriber that binds "
+        "(default: none)",
+    )
+    parser.add_argument(
+        "--kv-events-replay",
+        default=None,
+        metavar="ENDPOINT",
+        help="bind a ZeroMQ ROUTER socket that answers a start sequence number with the "
+        "event batches kept since (vLLM's replay_endpoint; e.g. tcp://127.0.0.1:5558)",
+    )
+    parser.add_argument(
+        "--kv-events-topic",
+        default="",
+        metavar="TOPIC",
+        help="the topic frame of every event message (vLLM's topic; llm-d expects kv@POD@MODEL)",
+    )
+
+
 def _add_image_options(parser: argparse.ArgumentParser) -> None:
     """A controller's own transport servers, for the lookup image."""
     _add_transports(
@@ -350,6 +376,7 @@ def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         formatter_class=HelpFormatter,
     )
     _add_controller_options(controller)
+    _add_kv_events_options(controller)
     _add_tenants_option(controller, _TENANTS_HELP)
     _add_image_options(controller)
     _add_metrics_options(controller)
@@ -387,6 +414,7 @@ def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         formatter_class=HelpFormatter,
     )
     _add_controller_options(serve)
+    _add_kv_events_options(serve)
     _add_tenants_option(serve, _TENANTS_HELP)
     _add_node_options(serve)
     _add_metrics_options(serve)

@@ -42,6 +42,7 @@ from kvfabric._tools.server_build import (
     duration,
     image_servers_from,
     index_from,
+    kv_events_from,
     membership_from,
     node_from,
     plugin_settings,
@@ -106,6 +107,15 @@ def _image_words(controller: Controller) -> str:
         return "; no lookup image (lookups by RPC)"
     parts = [_endpoint_words(e.transport, e.address) for e in image.endpoints]
     return f"; lookup image over {', '.join(parts) or 'nothing'}"
+
+
+def _kv_events_words(controller: Controller) -> str:
+    """For the ready line: where KV events are published, if they are."""
+    events = controller.kv_events
+    if events is None:
+        return ""
+    replay = f" (replay {events.replay_endpoint})" if events.replay_endpoint else ""
+    return f"; KV events on {events.endpoint}{replay}"
 
 
 def _tenant_words(
@@ -233,8 +243,10 @@ def run_controller(args: argparse.Namespace) -> int:
     index = index_from(args, settings)
     try:
         servers = image_servers_from(args, credentials, settings)
+        kv_events = None
         try:
-            controller = controller_from(args, credentials, index, servers, tenants)
+            kv_events = kv_events_from(args)
+            controller = controller_from(args, credentials, index, servers, tenants, kv_events)
             settings.check_all_claimed("controller")
             with _controller_metrics(args, controller) as metrics:
                 _stop_on_signals(controller.stop)
@@ -243,13 +255,15 @@ def run_controller(args: argparse.Namespace) -> int:
                     controller.listen,
                     lambda endpoint: print(
                         f"kvfabric controller listening on {endpoint} (index {args.index})"
-                        f"{_image_words(controller)}{metrics}; clients connect with "
-                        f"kvfabric://{_host_port(endpoint)}"
+                        f"{_image_words(controller)}{_kv_events_words(controller)}{metrics}; "
+                        f"clients connect with kvfabric://{_host_port(endpoint)}"
                         f"{_tenant_words(endpoint, credentials, tenants)}",
                         flush=True,
                     ),
                 )
         finally:
+            if kv_events is not None:
+                kv_events.close()
             close_servers(servers)
     finally:
         index.close()
@@ -318,10 +332,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except BaseException:
         index.close()
         raise
-    # The node's transport servers serve the lookup image too: one port per transport.
-    controller = controller_from(args, credentials, index, node.servers, tenants)
     agents: list[NodeAgent] = []
+    kv_events = None
     try:
+        kv_events = kv_events_from(args)
+        # The node's transport servers serve the lookup image too: one port per transport.
+        controller = controller_from(args, credentials, index, node.servers, tenants, kv_events)
         with _controller_metrics(args, controller, serve=True) as metrics:
             _stop_on_signals(controller.stop)
 
@@ -349,8 +365,8 @@ def run_serve(args: argparse.Namespace) -> int:
                     return
                 print(
                     f"kvfabric serving on {endpoint}: node {node.name}, {_describe(node)}"
-                    f"{_image_words(controller)}{metrics}; connect with "
-                    f"kvfabric://{_host_port(endpoint)}"
+                    f"{_image_words(controller)}{_kv_events_words(controller)}{metrics}; "
+                    f"connect with kvfabric://{_host_port(endpoint)}"
                     f"{_tenant_words(endpoint, credentials, tenants)}",
                     flush=True,
                 )
@@ -361,6 +377,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 for agent in agents:
                     agent.stop()
     finally:
+        if kv_events is not None:
+            kv_events.close()
         index.close()
         node.close()
     return 0

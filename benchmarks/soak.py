@@ -43,7 +43,9 @@ import zmq
 import kvfabric
 from kvfabric import PutOutcome
 from kvfabric._tools.local_cluster import LocalCluster
+from kvfabric._wire import member_bodies as mb
 from kvfabric._wire import protocol as p
+from kvfabric._wire import write_bodies as wb
 from kvfabric.keys import fold_key
 from kvfabric.spi import AllocationRequest, GrantRef
 
@@ -207,10 +209,10 @@ def _mutations(rng: random.Random) -> list[bytes]:
         p.encode(
             p.MsgType.ALLOCATE,
             1,
-            p.write_allocation_requests([AllocationRequest(key=k, length=100) for k in keys]),
+            wb.write_allocation_requests([AllocationRequest(key=k, length=100) for k in keys]),
         ),
-        p.encode(p.MsgType.PUBLISH, 1, p.write_grants([GrantRef(key=k, version=1) for k in keys])),
-        p.encode(p.MsgType.HEARTBEAT, 1, p.write_heartbeat(1, 1, {"x": 1})),
+        p.encode(p.MsgType.PUBLISH, 1, wb.write_grants([GrantRef(key=k, version=1) for k in keys])),
+        p.encode(p.MsgType.HEARTBEAT, 1, mb.write_heartbeat(1, 1, {"x": 1})),
         p.encode(p.MsgType.NODES, 1),
         p.encode(p.MsgType.STATS, 1),
     ]

@@ -51,7 +51,7 @@ from kvfabric._runtime.image import (
     image_prefix,
     ring_pieces,
 )
-from kvfabric._wire.protocol import ImageLocation
+from kvfabric._wire.member_bodies import ImageLocation
 from kvfabric.errors import KvfabricError, ProtocolError
 from kvfabric.spi.transport import NodeEndpoint, Segment, TransportClient
 

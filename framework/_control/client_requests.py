@@ -17,7 +17,9 @@ from kvfabric._control.image_publisher import ImagePublisher
 from kvfabric._control.refusal import Handler
 from kvfabric._control.reservations import Reservations
 from kvfabric._runtime.codec import Reader, Writer
+from kvfabric._wire import member_bodies as mb
 from kvfabric._wire import protocol as p
+from kvfabric._wire import write_bodies as wb
 from kvfabric._wire.protocol import MsgType
 from kvfabric.spi.events import EngineBlock
 from kvfabric.spi.index import Allocation, AllocationKind, GrantRef, IndexPlugin
@@ -77,7 +79,7 @@ class ClientRequests:
         }
 
     def _nodes(self, r: Reader) -> Callable[[], bytes]:
-        return lambda: p.write_nodes(self._index.nodes())
+        return lambda: mb.write_nodes(self._index.nodes())
 
     def _lookup_prefix(self, r: Reader) -> Callable[[], bytes]:
         keys = p.read_keys(r)
@@ -94,7 +96,7 @@ class ClientRequests:
 
     def _allocate(self, r: Reader) -> Callable[[], bytes]:
         client = p.read_client(r)
-        requests = p.read_allocation_requests(r)
+        requests = wb.read_allocation_requests(r)
 
         def apply() -> bytes:
             reservations = self._reservations
@@ -107,12 +109,12 @@ class ClientRequests:
                 # Past this client's bound: refused as a full store would refuse them.
                 refused = (_NO_SPACE,) * (len(requests) - admitted)
                 result = attrs.evolve(result, allocations=result.allocations + refused)
-            return p.write_allocate_result(result)
+            return wb.write_allocate_result(result)
 
         return apply
 
     def _publish(self, r: Reader) -> Callable[[], bytes]:
-        grants = p.read_grants(r)
+        grants = wb.read_grants(r)
         blocks = self._blocks(r)
 
         def apply() -> bytes:
@@ -125,7 +127,7 @@ class ClientRequests:
 
     def _lease_extents(self, r: Reader) -> Callable[[], bytes]:
         client = p.read_client(r)
-        need, want, count, exclude, returned = p.read_lease_request(r)
+        need, want, count, exclude, returned = wb.read_lease_request(r)
 
         def apply() -> bytes:
             reservations = self._reservations
@@ -142,12 +144,12 @@ class ClientRequests:
                 allowed, asked = 0, want
             leased = self._index.lease_extents(need, asked, allowed, exclude, returned)
             reservations.leased(client, leased)
-            return p.write_extents(leased)
+            return wb.write_extents(leased)
 
         return apply
 
     def _publish_carved(self, r: Reader) -> Callable[[], bytes]:
-        records, again = p.read_carved(r)
+        records, again = wb.read_carved(r)
         blocks = self._blocks(r)
 
         def apply() -> bytes:
@@ -157,7 +159,7 @@ class ClientRequests:
                 if blocks
                 else index.publish_carved(records, again)
             )
-            return p.write_carve_outcomes(outcomes)
+            return wb.write_carve_outcomes(outcomes)
 
         return apply
 
@@ -169,10 +171,10 @@ class ClientRequests:
         if not self._kv_events:
             r.raw(r.remaining)
             return None
-        return p.read_blocks(r)
+        return wb.read_blocks(r)
 
     def _abort(self, r: Reader) -> Callable[[], bytes]:
-        grants = p.read_grants(r)
+        grants = wb.read_grants(r)
 
         def apply() -> bytes:
             self._index.abort(grants)
@@ -188,7 +190,7 @@ class ClientRequests:
         return lambda: Writer().u32(self._index.unpublish(keys)).getvalue()
 
     def _image_location(self, r: Reader) -> Callable[[], bytes]:
-        return lambda: p.write_image_location(self._image.location)
+        return lambda: mb.write_image_location(self._image.location)
 
     def _touch(self, r: Reader) -> Callable[[], bytes]:
         keys = p.read_keys(r)
@@ -200,7 +202,7 @@ class ClientRequests:
         return apply
 
     def _report_invalid(self, r: Reader) -> Callable[[], bytes]:
-        records = p.read_grants(r)
+        records = wb.read_grants(r)
         return lambda: Writer().u32(self._index.drop_invalid(records)).getvalue()
 
 

@@ -56,6 +56,7 @@ from kvfabric._control.reservations import ReservationLimits, Reservations
 from kvfabric._control.security import Credentials
 from kvfabric._control.tenant_gate import TenantGate
 from kvfabric._runtime.codec import Reader, Writer
+from kvfabric._wire import member_bodies as mb
 from kvfabric._wire import protocol as p
 from kvfabric._wire.protocol import REPLY_BIT, ErrorCode, MsgType
 from kvfabric.errors import ConfigError, ProtocolError
@@ -175,7 +176,7 @@ class Controller:
         return self._kv_events
 
     @property
-    def image(self) -> p.ImageLocation | None:
+    def image(self) -> mb.ImageLocation | None:
         """Where the lookup image is served (None: lookups go by RPC)."""
         return self._image.location
 

@@ -16,7 +16,7 @@ import attrs
 
 from kvfabric._control.image_process import ImageProcessServer
 from kvfabric._runtime.image import IMAGE_NODE, ImageGeometry, host_identity
-from kvfabric._wire import protocol as p
+from kvfabric._wire import member_bodies as mb
 from kvfabric.errors import KvfabricError
 from kvfabric.spi.backend import Region
 from kvfabric.spi.index import IndexPlugin
@@ -35,10 +35,10 @@ class ImagePublisher:
         self._servers = dict(servers)
         self._handles: dict[str, RegionHandle] = {}
         self._region: Region | None = None
-        self.location: p.ImageLocation | None = None
+        self.location: mb.ImageLocation | None = None
         self.restarts = 0
 
-    def publish(self) -> p.ImageLocation | None:
+    def publish(self) -> mb.ImageLocation | None:
         """Register the index's lookup image with the image servers; where it is, or None."""
         if not self._servers:
             return None
@@ -81,7 +81,7 @@ class ImagePublisher:
             for counter, value in self._servers[name].stats().items()
         }
 
-    def _location_now(self) -> p.ImageLocation:
+    def _location_now(self) -> mb.ImageLocation:
         """Where the image is served now (a server in a process of its own may have moved)."""
         region = self._region
         assert region is not None
@@ -107,7 +107,7 @@ class ImagePublisher:
             ", ".join(f"{e.transport} at {e.address.decode(errors='replace')}" for e in endpoints)
             or "nothing",
         )
-        return p.ImageLocation(
+        return mb.ImageLocation(
             image_id=geometry.image_id,
             size=region.size,
             endpoints=tuple(endpoints),

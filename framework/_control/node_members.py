@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from kvfabric._control.refusal import Handler, Refusal
 from kvfabric._runtime.codec import Reader, Writer
-from kvfabric._wire import protocol as p
+from kvfabric._wire import member_bodies as mb
 from kvfabric._wire.protocol import ErrorCode, MsgType
 from kvfabric.spi.index import IndexPlugin, NodeInfo
 
@@ -116,7 +116,7 @@ class NodeMembers:
         return known
 
     def _heartbeat(self, r: Reader) -> Callable[[], bytes]:
-        node, incarnation, counters = p.read_heartbeat(r)
+        node, incarnation, counters = mb.read_heartbeat(r)
 
         def apply() -> bytes:
             self._registration(node, incarnation)
@@ -127,7 +127,7 @@ class NodeMembers:
         return apply
 
     def _restore(self, r: Reader) -> Callable[[], bytes]:
-        node, incarnation, records = p.read_restore(r)
+        node, incarnation, records = mb.read_restore(r)
 
         def apply() -> bytes:
             self._registration(node, incarnation)
@@ -137,7 +137,7 @@ class NodeMembers:
         return apply
 
     def _restore_done(self, r: Reader) -> Callable[[], bytes]:
-        node, incarnation = p.read_node_ref(r)
+        node, incarnation = mb.read_node_ref(r)
 
         def apply() -> bytes:
             known = self._registration(node, incarnation)
@@ -148,7 +148,7 @@ class NodeMembers:
         return apply
 
     def _deregister_node(self, r: Reader) -> Callable[[], bytes]:
-        node, incarnation = p.read_deregister(r)
+        node, incarnation = mb.read_deregister(r)
 
         def apply() -> bytes:
             known = self._registration(node, incarnation)

@@ -15,8 +15,11 @@ from kvfabric._control.client import ControlClient, ControllerRefusedError
 from kvfabric._control.remote_writes import RemoteWrites
 from kvfabric._control.session import CHUNK_BYTES, CHUNK_KEYS, allowance, chunks
 from kvfabric._runtime.codec import Reader
+from kvfabric._wire import member_bodies as mb
 from kvfabric._wire import protocol as p
-from kvfabric._wire.protocol import ErrorCode, ImageLocation, MsgType
+from kvfabric._wire import write_bodies as wb
+from kvfabric._wire.member_bodies import ImageLocation
+from kvfabric._wire.protocol import ErrorCode, MsgType
 from kvfabric._wire.usage import write_usage
 from kvfabric.descriptor import Descriptor, PackedDescriptors
 from kvfabric.errors import ControllerUnavailableError
@@ -59,7 +62,7 @@ class RemoteIndex(Index):
 
     def nodes(self) -> list[NodeInfo]:
         r = self.client.call(MsgType.NODES)
-        nodes = p.read_nodes(r)
+        nodes = mb.read_nodes(r)
         r.end()
         return nodes
 
@@ -157,7 +160,9 @@ class RemoteIndex(Index):
         return sum(parts)
 
     def drop_invalid(self, records: Sequence[GrantRef]) -> int:
-        parts = self._ask(MsgType.REPORT_INVALID, records, p.GRANT_SIZE, p.write_grants, Reader.u32)
+        parts = self._ask(
+            MsgType.REPORT_INVALID, records, wb.GRANT_SIZE, wb.write_grants, Reader.u32
+        )
         return sum(parts)
 
     def stats(self) -> dict[str, int]:
@@ -187,7 +192,7 @@ class RemoteIndex(Index):
             if exc.code == ErrorCode.UNKNOWN_TYPE:
                 return None
             raise
-        location = p.read_image_location(r)
+        location = mb.read_image_location(r)
         r.end()
         self._leases_extents = location is not None and location.extents
         return location

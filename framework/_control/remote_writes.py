@@ -35,6 +35,7 @@ from kvfabric._control.session import ControlSession, Reply, allowance, chunks
 from kvfabric._runtime import forks
 from kvfabric._runtime.codec import Reader
 from kvfabric._wire import protocol as p
+from kvfabric._wire import write_bodies as wb
 from kvfabric._wire.protocol import MsgType
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ControllerUnavailableError, ProtocolError, RemoteError
@@ -91,8 +92,8 @@ class RemoteWrites:
 
     def allocate(self, requests: Sequence[AllocationRequest]) -> AllocateResult:
         head = p.write_client(self.client_id)
-        ranges = chunks(len(requests), p.ALLOCATION_REQUEST_SIZE)
-        bodies = [head + p.write_allocation_requests(requests[c.start : c.stop]) for c in ranges]
+        ranges = chunks(len(requests), wb.ALLOCATION_REQUEST_SIZE)
+        bodies = [head + wb.write_allocation_requests(requests[c.start : c.stop]) for c in ranges]
         if len(bodies) == 1:
             timeout = allowance(len(requests), self.client.timeout)
             r = self.client.call(MsgType.ALLOCATE, bodies[0], timeout=timeout)
@@ -137,14 +138,14 @@ class RemoteWrites:
         """``blocks``: what the events should say of some keys, sent with their grants."""
         if blocks:
             encoded = _encode_blocks(blocks)
-            ranges = chunks(len(grants), p.GRANT_SIZE + max(map(len, encoded.values())))
+            ranges = chunks(len(grants), wb.GRANT_SIZE + max(map(len, encoded.values())))
             bodies = [
-                p.write_grants(part) + _blocks_of((g.key for g in part), encoded)
+                wb.write_grants(part) + _blocks_of((g.key for g in part), encoded)
                 for part in (grants[c.start : c.stop] for c in ranges)
             ]
         else:
-            ranges = chunks(len(grants), p.GRANT_SIZE)
-            bodies = [p.write_grants(grants[c.start : c.stop]) for c in ranges]
+            ranges = chunks(len(grants), wb.GRANT_SIZE)
+            bodies = [wb.write_grants(grants[c.start : c.stop]) for c in ranges]
         published: list[bool | None] = [None] * len(grants)
         with self.client.session() as session:
             replies = session.exchange(MsgType.PUBLISH, bodies, items=len(grants))
@@ -175,8 +176,8 @@ class RemoteWrites:
 
     def _abort(self, session: ControlSession, grants: Sequence[GrantRef]) -> list[bool | None]:
         """Give ``grants`` up; per grant whether it is published (None: not answered)."""
-        ranges = chunks(len(grants), p.GRANT_SIZE)
-        bodies = [p.write_grants(grants[c.start : c.stop]) for c in ranges]
+        ranges = chunks(len(grants), wb.GRANT_SIZE)
+        bodies = [wb.write_grants(grants[c.start : c.stop]) for c in ranges]
         published: list[bool | None] = [None] * len(grants)
         replies = session.exchange(MsgType.ABORT, bodies, items=len(grants))
         _fill_flags(published, ranges, replies)
@@ -187,11 +188,11 @@ class RemoteWrites:
     def lease_extents(
         self, need: int, want: int, count: int, exclude: Sequence[int], returned: Sequence[int]
     ) -> list[Extent]:
-        body = p.write_client(self.client_id) + p.write_lease_request(
+        body = p.write_client(self.client_id) + wb.write_lease_request(
             need, want, count, exclude, returned
         )
         r = self.client.call(MsgType.LEASE_EXTENTS, body)
-        extents = p.read_extents(r)
+        extents = wb.read_extents(r)
         r.end()
         if len(extents) > count:
             raise ProtocolError(f"{len(extents)} extents leased of {count} asked for")
@@ -209,20 +210,20 @@ class RemoteWrites:
         if blocks:
             encoded = _encode_blocks(blocks)
             ranges = (
-                chunks(len(records), p.CARVED_SIZE + max(map(len, encoded.values())))
+                chunks(len(records), wb.CARVED_SIZE + max(map(len, encoded.values())))
                 if records
                 else []
             )
             bodies = [
-                p.write_carved(part, ()) + _blocks_of((r.key for r in part), encoded)
+                wb.write_carved(part, ()) + _blocks_of((r.key for r in part), encoded)
                 for part in (records[c.start : c.stop] for c in ranges)
             ]
         else:
-            ranges = chunks(len(records), p.CARVED_SIZE) if records else []
-            bodies = [p.write_carved(records[c.start : c.stop], ()) for c in ranges]
+            ranges = chunks(len(records), wb.CARVED_SIZE) if records else []
+            bodies = [wb.write_carved(records[c.start : c.stop], ()) for c in ranges]
         if again:
             bodies += [
-                p.write_carved((), again[c.start : c.stop]) for c in chunks(len(again), KEY_SIZE)
+                wb.write_carved((), again[c.start : c.stop]) for c in chunks(len(again), KEY_SIZE)
             ]
         outcomes: list[CarveOutcome | None] = [None] * len(records)
         with self.client.session() as session:
@@ -231,7 +232,7 @@ class RemoteWrites:
             )
             errors: list[Exception] = []
             for c, reply in zip(ranges, replies, strict=False):
-                chunk = _read_chunk(reply, len(c), p.read_carve_outcomes, errors)
+                chunk = _read_chunk(reply, len(c), wb.read_carve_outcomes, errors)
                 if chunk is not None:
                     outcomes[c.start : c.stop] = chunk
             unknown = [i for i, outcome in enumerate(outcomes) if outcome is None]
@@ -260,7 +261,7 @@ class RemoteWrites:
         back first (no later publish into them is taken), then their keys resolved. Whether
         the extents were given back (the controller answered that)."""
         extents = sorted({records[i].extent for i in unknown})
-        body = p.write_client(self.client_id) + p.write_lease_request(0, 0, 0, (), extents)
+        body = p.write_client(self.client_id) + wb.write_lease_request(0, 0, 0, (), extents)
         (given_back,) = session.exchange(MsgType.LEASE_EXTENTS, [body], items=len(extents))
         if not isinstance(given_back, Reader):
             return False  # not known to be given back: a resolve now would prove nothing
@@ -286,13 +287,13 @@ class RemoteWrites:
 
 def _encode_blocks(blocks: Mapping[bytes, EngineBlock]) -> dict[bytes, bytes]:
     """Each key's block in its wire form, once (a chunk takes those of its keys)."""
-    return {key: p.encode_block(key, block) for key, block in blocks.items()}
+    return {key: wb.encode_block(key, block) for key, block in blocks.items()}
 
 
 def _blocks_of(keys: Iterable[bytes], encoded: Mapping[bytes, bytes]) -> bytes:
     """The blocks section of one chunk: its keys' blocks (each once), or nothing."""
     mine = [encoded[key] for key in dict.fromkeys(keys) if key in encoded]
-    return p.write_blocks(mine) if mine else b""
+    return wb.write_blocks(mine) if mine else b""
 
 
 def _granted(allocation: Allocation) -> tuple[Descriptor, ...]:
@@ -303,7 +304,7 @@ def _granted(allocation: Allocation) -> tuple[Descriptor, ...]:
 
 
 def _allocated(r: Reader, count: int) -> AllocateResult:
-    result = p.read_allocate_result(r)
+    result = wb.read_allocate_result(r)
     r.end()
     if len(result.allocations) != count:
         raise ProtocolError(f"{len(result.allocations)} allocations for {count} requests")

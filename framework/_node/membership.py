@@ -20,6 +20,7 @@ import numpy as np
 from kvfabric._control.client import ControlClient, ControllerRefusedError
 from kvfabric._control.security import Credentials
 from kvfabric._control.session import chunks
+from kvfabric._wire import member_bodies as mb
 from kvfabric._wire import protocol as p
 from kvfabric._wire.protocol import ErrorCode, MsgType
 from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
@@ -103,7 +104,7 @@ class ControllerMembership(Membership):
     def restore(self, info: NodeInfo, records: np.ndarray) -> int:
         # In chunks, pipelined: the controller serves other requests between them, and a
         # restore of a million records takes the time its work takes, not a round trip each.
-        head = p.write_node_ref(info.id, info.incarnation)
+        head = mb.write_node_ref(info.id, info.incarnation)
         ranges = chunks(len(records), DESCRIPTOR_SIZE)
         bodies = [
             head + p.write_descriptor_bytes(len(c), records[c.start : c.stop].tobytes())
@@ -122,11 +123,11 @@ class ControllerMembership(Membership):
         return kept
 
     def restore_done(self, info: NodeInfo) -> None:
-        self._client.call(MsgType.RESTORE_DONE, p.write_node_ref(info.id, info.incarnation)).end()
+        self._client.call(MsgType.RESTORE_DONE, mb.write_node_ref(info.id, info.incarnation)).end()
 
     def heartbeat(self, info: NodeInfo, counters: dict[str, int]) -> bool:
         try:
-            body = p.write_heartbeat(info.id, info.incarnation, counters)
+            body = mb.write_heartbeat(info.id, info.incarnation, counters)
             self._client.call(MsgType.HEARTBEAT, body).end()
         except ControllerRefusedError as exc:
             if exc.code == ErrorCode.UNKNOWN_NODE:
@@ -135,7 +136,7 @@ class ControllerMembership(Membership):
         return True
 
     def deregister(self, info: NodeInfo) -> None:
-        body = p.write_deregister(info.id, info.incarnation)
+        body = mb.write_deregister(info.id, info.incarnation)
         # Never wait for a connection that is not up (in `serve` the controller stops first).
         self._client.call(MsgType.DEREGISTER_NODE, body, wait_connect=False).end()
 

@@ -18,6 +18,7 @@ import kvfabric
 from kvfabric import PutOutcome
 from kvfabric._control.client import ControlClient
 from kvfabric._control.remote_index import RemoteIndex, fetch_stats
+from kvfabric._wire.member_bodies import write_deregister
 from kvfabric._wire.protocol import (
     MAGIC,
     PROTOCOL_VERSION,
@@ -25,7 +26,6 @@ from kvfabric._wire.protocol import (
     MsgType,
     decode_header,
     encode,
-    write_deregister,
 )
 from kvfabric.keys import chain_keys
 from kvfabric.spi.index import NodeInfo

@@ -18,10 +18,10 @@ from kvfabric._wire.protocol import (
     decode_header,
     encode,
     read_counters,
-    write_allocation_requests,
     write_counters,
     write_keys,
 )
+from kvfabric._wire.write_bodies import write_allocation_requests
 from kvfabric.keys import chain_keys
 from kvfabric.spi import AllocationRequest, NodeInfo, RegionInfo
 from kvfabric.testing import Cluster

@@ -26,7 +26,7 @@ import kvfabric
 from kvfabric._control.client import ControlClient
 from kvfabric._control.remote_index import RemoteIndex
 from kvfabric._runtime.image import IMAGE_BUCKET_SIZE, IMAGE_HEADER_SIZE, IMAGE_NODE, ImageGeometry
-from kvfabric._wire.protocol import ImageLocation
+from kvfabric._wire.member_bodies import ImageLocation
 from kvfabric.keys import chain_keys
 from kvfabric.spi import Segment, TransportConfig
 from kvfabric.testing import Cluster, wait_for

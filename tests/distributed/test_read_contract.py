@@ -18,13 +18,7 @@ import kvfabric
 from kvfabric import PutOutcome
 from kvfabric._control.client import ControlClient, ControllerRefusedError, UnknownNodeError
 from kvfabric._runtime.codec import Writer
-from kvfabric._wire.protocol import (
-    REPLY_BIT,
-    ErrorCode,
-    MsgType,
-    decode_header,
-    encode,
-)
+from kvfabric._wire.protocol import REPLY_BIT, ErrorCode, MsgType, decode_header, encode
 from kvfabric.keys import chain_keys
 from kvfabric.testing import free_port
 

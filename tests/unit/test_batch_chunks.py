@@ -20,6 +20,7 @@ from kvfabric._control.session import (
 )
 from kvfabric._runtime.codec import Reader
 from kvfabric._wire import protocol as p
+from kvfabric._wire import write_bodies as wb
 from kvfabric.keys import KEY_SIZE, chain_keys
 
 
@@ -32,7 +33,7 @@ def test_chunks_cover_every_item_once_bounded_by_count_and_bytes() -> None:
     assert max(len(r) for r in chunks(10_000, 1024)) == CHUNK_BYTES // 1024
     assert [len(r) for r in chunks(3, CHUNK_BYTES * 2)] == [1, 1, 1]
     # A chunk's frame is far below the controller's default --max-frame.
-    assert CHUNK_KEYS * p.CARVED_SIZE <= CHUNK_BYTES < (4 << 20) // 8
+    assert CHUNK_KEYS * wb.CARVED_SIZE <= CHUNK_BYTES < (4 << 20) // 8
 
 
 def test_a_deadline_grows_with_the_work() -> None:

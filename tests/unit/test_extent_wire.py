@@ -11,7 +11,7 @@ import struct
 import pytest
 
 from kvfabric._runtime.codec import Reader
-from kvfabric._wire import protocol as p
+from kvfabric._wire import write_bodies as wb
 from kvfabric.errors import ProtocolError
 from kvfabric.keys import fold_key
 from kvfabric.spi.index import CarvedRecord, CarveOutcome, Extent
@@ -33,16 +33,16 @@ def _extent(n: int) -> Extent:
 
 
 def test_a_lease_request_round_trips() -> None:
-    raw = p.write_lease_request(4096, 1 << 26, 2, [3, 4], [7, 8, 9])
+    raw = wb.write_lease_request(4096, 1 << 26, 2, [3, 4], [7, 8, 9])
     r = Reader(raw)
-    assert p.read_lease_request(r) == (4096, 1 << 26, 2, [3, 4], [7, 8, 9])
+    assert wb.read_lease_request(r) == (4096, 1 << 26, 2, [3, 4], [7, 8, 9])
     r.end()
 
 
 def test_a_lease_reply_round_trips_with_none_or_several_extents() -> None:
     for extents in ([], [_extent(1)], [_extent(1), _extent(2)]):
-        r = Reader(p.write_extents(extents))
-        assert p.read_extents(r) == extents
+        r = Reader(wb.write_extents(extents))
+        assert wb.read_extents(r) == extents
         r.end()
 
 
@@ -52,15 +52,15 @@ def test_carved_records_and_the_keys_stored_again_round_trip() -> None:
         for n in range(3)
     ]
     again = [fold_key(9, b"again")]
-    r = Reader(p.write_carved(records, again))
-    assert p.read_carved(r) == (records, again)
+    r = Reader(wb.write_carved(records, again))
+    assert wb.read_carved(r) == (records, again)
     r.end()
 
 
 def test_outcomes_round_trip() -> None:
     outcomes = list(CarveOutcome)
-    r = Reader(p.write_carve_outcomes(outcomes))
-    assert p.read_carve_outcomes(r) == outcomes
+    r = Reader(wb.write_carve_outcomes(outcomes))
+    assert wb.read_carve_outcomes(r) == outcomes
 
 
 @pytest.mark.parametrize(
@@ -74,7 +74,7 @@ def test_outcomes_round_trip() -> None:
 )
 def test_a_lease_request_that_lies_is_refused(frame: bytes) -> None:
     with pytest.raises(ProtocolError):
-        p.read_lease_request(Reader(frame))
+        wb.read_lease_request(Reader(frame))
 
 
 def test_an_extent_that_wraps_the_address_space_is_refused() -> None:
@@ -90,15 +90,15 @@ def test_an_extent_that_wraps_the_address_space_is_refused() -> None:
         lease=1.0,
     )
     with pytest.raises(ProtocolError, match="extent of"):
-        p.read_extents(Reader(p.write_extents([wrapping])))
+        wb.read_extents(Reader(wb.write_extents([wrapping])))
 
 
 def test_an_unknown_outcome_is_refused() -> None:
     with pytest.raises(ProtocolError, match="unknown carve outcome 9"):
-        p.read_carve_outcomes(Reader(struct.pack("<I", 2) + b"\x01\x09"))
+        wb.read_carve_outcomes(Reader(struct.pack("<I", 2) + b"\x01\x09"))
 
 
 def test_carved_records_past_the_frame_are_refused() -> None:
-    raw = p.write_carved([], [])
+    raw = wb.write_carved([], [])
     with pytest.raises(ProtocolError):
-        p.read_carved(Reader(struct.pack("<I", 3) + raw[4:]))
+        wb.read_carved(Reader(struct.pack("<I", 3) + raw[4:]))

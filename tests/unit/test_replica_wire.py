@@ -12,6 +12,7 @@ import pytest
 
 from kvfabric._runtime.codec import Reader
 from kvfabric._wire import protocol as p
+from kvfabric._wire import write_bodies as wb
 from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor
 from kvfabric.errors import ProtocolError
 from kvfabric.keys import fold_key
@@ -39,9 +40,9 @@ def test_an_allocation_without_replicas_is_written_as_before() -> None:
         ),
         lease=30.0,
     )
-    raw = p.write_allocate_result(result)
+    raw = wb.write_allocate_result(result)
     assert raw == struct.pack("<III", 0, 30000, 2) + b"\x01" + _d(1).to_bytes() + b"\x04"
-    assert p.read_allocate_result(Reader(raw)) == result
+    assert wb.read_allocate_result(Reader(raw)) == result
 
 
 def test_allocations_with_further_grants_round_trip() -> None:
@@ -56,15 +57,15 @@ def test_allocations_with_further_grants_round_trip() -> None:
         evictions=3,
         lease=1.5,
     )
-    r = Reader(p.write_allocate_result(result))
-    assert p.read_allocate_result(r) == result
+    r = Reader(wb.write_allocate_result(result))
+    assert wb.read_allocate_result(r) == result
     r.end()
 
 
 def test_replicas_on_an_allocation_without_a_descriptor_are_refused() -> None:
-    raw = struct.pack("<III", 0, 0, 1) + bytes([AllocationKind.NO_SPACE.value | p.WITH_REPLICAS])
+    raw = struct.pack("<III", 0, 0, 1) + bytes([AllocationKind.NO_SPACE.value | wb.WITH_REPLICAS])
     with pytest.raises(ProtocolError, match="cannot carry replicas"):
-        p.read_allocate_result(Reader(raw + b"\x00"))
+        wb.read_allocate_result(Reader(raw + b"\x00"))
 
 
 @pytest.mark.parametrize("optional", [False, True])

@@ -20,7 +20,7 @@ from kvfabric._tools.server_options import (
     add_shared_index_options,
     add_timeout_option,
 )
-from kvfabric.errors import ControllerUnavailableError, KvfabricError
+from kvfabric.errors import AuthenticationError, ControllerUnavailableError, KvfabricError
 
 __all__ = ["build_parser", "main"]
 
@@ -137,6 +137,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     )
     try:
         scopes = fetch_stats(client)
+    except AuthenticationError:
+        raise  # its message says what to change
     except ControllerUnavailableError as exc:
         secured = " and the same secret" if secret else ""
         raise ControllerUnavailableError(

@@ -26,11 +26,13 @@ import logging
 import re
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvfabric._tools.endpoints import listen_error
+from kvfabric._tools.health import Health
+from kvfabric._tools.http_server import EndpointServer
 from kvfabric.errors import KvfabricError
 
 __all__ = ["MetricsServer", "Scopes", "ScopesCollector", "exposition", "families"]
@@ -197,19 +199,23 @@ def exposition(scopes: Scopes) -> str:
 
 
 class MetricsServer:
-    """An HTTP endpoint Prometheus scrapes: ``http://HOST:PORT/metrics`` (port 0: any)."""
+    """An HTTP endpoint Prometheus scrapes: ``http://HOST:PORT/metrics`` (port 0: any),
+    beside ``/healthz`` and ``/readyz`` (``health``'s checks; none given: always ready).
+    See :mod:`kvfabric._tools.http_server`."""
 
-    def __init__(self, collector: Collector, host: str, port: int) -> None:
+    def __init__(
+        self, collector: Collector, host: str, port: int, health: Health | None = None
+    ) -> None:
         registry = CollectorRegistry()
         registry.register(collector)
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+            self._server = EndpointServer(registry, health or Health(), host, port)
         except OSError as exc:
             raise listen_error(
                 "the metrics endpoint", f"{host}:{port}", exc.errno, str(exc), "--metrics-port"
             ) from exc
         self.host = host
-        self.port = int(self._server.server_port)
+        self.port = self._server.port
 
     @property
     def url(self) -> str:
@@ -217,6 +223,4 @@ class MetricsServer:
         return f"http://{host}:{self.port}/metrics"
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        self._server.close()

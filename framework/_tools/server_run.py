@@ -30,6 +30,7 @@ from kvfabric._node.membership import Membership
 from kvfabric._node.node import DataNode
 from kvfabric._runtime.bounds import check_host
 from kvfabric._tools.endpoints import listen_error
+from kvfabric._tools.health import Health
 from kvfabric._tools.metrics import MetricsServer, Scopes, ScopesCollector
 from kvfabric._tools.server_build import (
     close_servers,
@@ -43,6 +44,7 @@ from kvfabric._tools.server_build import (
     node_from,
     plugin_settings,
 )
+from kvfabric._tools.server_health import add_controller_checks, add_node_checks
 from kvfabric.errors import KvfabricError
 from kvfabric.spi.units import format_size
 
@@ -132,13 +134,16 @@ def _controller_stats(endpoint: Callable[[], str], args: argparse.Namespace) -> 
 
 
 @contextmanager
-def _metrics(args: argparse.Namespace, fetch: Callable[[], Scopes], source: str) -> Iterator[str]:
-    """Serve ``fetch``'s counters on ``--metrics-port`` if given; yields the ready-line part."""
+def _metrics(
+    args: argparse.Namespace, fetch: Callable[[], Scopes], source: str, health: Health
+) -> Iterator[str]:
+    """Serve ``fetch``'s counters, ``/healthz`` and ``/readyz`` (``health``) on
+    ``--metrics-port`` if given; yields the ready-line part."""
     if args.metrics_port is None:
         yield ""
         return
     host = check_host(args.metrics_host, "--metrics-host")
-    server = MetricsServer(ScopesCollector(fetch, source), host, args.metrics_port)
+    server = MetricsServer(ScopesCollector(fetch, source), host, args.metrics_port, health)
     try:
         yield f"; metrics at {server.url}"
     finally:
@@ -146,11 +151,15 @@ def _metrics(args: argparse.Namespace, fetch: Callable[[], Scopes], source: str)
 
 
 def _controller_metrics(
-    args: argparse.Namespace, controller: Controller
+    args: argparse.Namespace, controller: Controller, health: Health
 ) -> AbstractContextManager[str]:
     """The controller's counters (asked of it once it is bound) on ``--metrics-port``."""
+    add_controller_checks(health, controller)
     return _metrics(
-        args, lambda: _controller_stats(lambda: controller.endpoint, args), "the controller"
+        args,
+        lambda: _controller_stats(lambda: controller.endpoint, args),
+        "the controller",
+        health,
     )
 
 
@@ -173,11 +182,13 @@ def _announce_waiting(agent: NodeAgent, membership: Membership, secured: bool) -
         return
     hint = " with the same secret" if secured else ""
     while True:
+        cause = f"{agent.last_failure}; " if agent.last_failure else ""
         log.warning(
             "waiting for %s to register this node (%.0fs so far; the "
-            "node is not used until then); %s%s?",
+            "node is not used until then): %s%s%s?",
             membership.where,
             time.monotonic() - started,
+            cause,
             membership.check_hint,
             hint,
         )
@@ -202,7 +213,7 @@ def run_controller(args: argparse.Namespace) -> int:
         try:
             controller = controller_from(args, credentials, index, servers)
             settings.check_all_claimed("controller")
-            with _controller_metrics(args, controller) as metrics:
+            with _controller_metrics(args, controller, Health()) as metrics:
                 _stop_on_signals(controller.stop)
                 _serve_controller(
                     controller,
@@ -224,51 +235,61 @@ def run_controller(args: argparse.Namespace) -> int:
 def run_node(args: argparse.Namespace) -> int:
     credentials = credentials_from(args)
     membership, shared_index = membership_from(args, credentials)
-    try:
-        node = node_from(args, credentials, plugin_settings(args, index=False))
-    except BaseException:
-        membership.close()
-        raise
+    # The endpoint is up before the memory is prepared (which can take minutes): alive,
+    # and saying what it is not yet ready for.
+    built: list[DataNode] = []
+    agents: list[NodeAgent] = []
+    health = Health()
+    add_node_checks(health, lambda: bool(built), lambda: agents[0] if agents else None)
+
+    def node_stats() -> Scopes:
+        if not built or not agents:
+            return {}
+        node, agent = built[0], agents[0]
+        registered = agent.registered
+        node_id = registered.id if registered is not None else 0
+        scopes: Scopes = {f"node {node_id} {node.name}": agent.stats()}
+        if shared_index is not None:
+            # No controller reports the shared index's counters (per shard, in Redis):
+            # every node does. One that cannot reach it still reports its own.
+            with contextlib.suppress(KvfabricError):
+                scopes["index"] = shared_index.shared_stats()
+        return scopes
+
     stop = threading.Event()
+    source = f"node {args.name}" if args.name else "this node"
     try:
-        agent = NodeAgent(node, membership, heartbeat=duration(args.heartbeat, "--heartbeat"))
-
-        def node_stats() -> Scopes:
-            registered = agent.registered
-            node_id = registered.id if registered is not None else 0
-            scopes: Scopes = {
-                f"node {node_id} {node.name}": {
-                    **node.stats(),
-                    "registered": int(registered is not None),
-                }
-            }
-            if shared_index is not None:
-                # No controller reports the shared index's counters (per shard, in Redis):
-                # every node does. One that cannot reach it still reports its own.
-                with contextlib.suppress(KvfabricError):
-                    scopes["index"] = shared_index.shared_stats()
-            return scopes
-
-        with _metrics(args, node_stats, f"node {node.name}") as metrics:
+        with _metrics(args, node_stats, source, health) as metrics:
             _stop_on_signals(stop.set)
-            agent.start()
-            print(
-                f"kvfabric node {node.name} serving {_describe(node)}; registering with "
-                f"{membership.where}{metrics}",
-                flush=True,
-            )
-            threading.Thread(
-                target=_announce_waiting,
-                args=(agent, membership, credentials is not None),
-                name="kvfabric-wait-notice",
-                daemon=True,
-            ).start()
+            node = node_from(args, credentials, plugin_settings(args, index=False))
             try:
-                stop.wait()
+                agent = NodeAgent(
+                    node, membership, heartbeat=duration(args.heartbeat, "--heartbeat")
+                )
+                built.append(node)
+                agents.append(agent)
+                agent.start()
+                print(
+                    f"kvfabric node {node.name} serving {_describe(node)}; registering with "
+                    f"{membership.where}{metrics}",
+                    flush=True,
+                )
+                threading.Thread(
+                    target=_announce_waiting,
+                    args=(agent, membership, credentials is not None),
+                    name="kvfabric-wait-notice",
+                    daemon=True,
+                ).start()
+                try:
+                    stop.wait()
+                finally:
+                    agent.stop()
             finally:
-                agent.stop()
-    finally:
-        node.close()
+                node.close()
+    except BaseException:
+        if not agents:
+            membership.close()  # else the agent closed it when it stopped
+        raise
     return 0
 
 
@@ -284,8 +305,10 @@ def run_serve(args: argparse.Namespace) -> int:
     # The node's transport servers serve the lookup image too: one port per transport.
     controller = controller_from(args, credentials, index, node.servers)
     agents: list[NodeAgent] = []
+    health = Health()
+    add_node_checks(health, lambda: True, lambda: agents[0] if agents else None)
     try:
-        with _controller_metrics(args, controller) as metrics:
+        with _controller_metrics(args, controller, health) as metrics:
             _stop_on_signals(controller.stop)
 
             def ready(endpoint: str) -> None:

@@ -29,6 +29,7 @@ from kvfabric._node.agent import NodeAgent
 from kvfabric._node.membership import Membership
 from kvfabric._node.node import DataNode
 from kvfabric._runtime.bounds import check_host
+from kvfabric._tools.advertise import WILDCARD_HOSTS, advertised_host
 from kvfabric._tools.endpoints import listen_error
 from kvfabric._tools.health import Health
 from kvfabric._tools.metrics import MetricsServer, Scopes, ScopesCollector
@@ -45,7 +46,7 @@ from kvfabric._tools.server_build import (
     plugin_settings,
 )
 from kvfabric._tools.server_health import add_controller_checks, add_node_checks
-from kvfabric.errors import KvfabricError
+from kvfabric.errors import ConfigError, KvfabricError
 from kvfabric.spi.units import format_size
 
 __all__ = ["configure_logging", "run_controller", "run_node", "run_serve"]
@@ -107,7 +108,12 @@ def _image_words(controller: Controller) -> str:
 
 
 def _host_port(endpoint: str) -> str:
+    """``HOST:PORT`` of ``endpoint`` as clients use it: a wildcard bind (0.0.0.0) shows
+    this host's address on the default route instead."""
     host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if host in WILDCARD_HOSTS:
+        with contextlib.suppress(ConfigError):
+            host = advertised_host(host, None, None) or host
     return f"{host}:{port}"
 
 
@@ -124,7 +130,7 @@ def _controller_stats(endpoint: Callable[[], str], args: argparse.Namespace) -> 
     them. A client per scrape: scrapes are seconds apart and each runs on its own thread."""
     client = ControlClient(
         endpoint(),
-        timeout=duration(args.timeout, "--timeout"),
+        timeout=duration(args.metrics_timeout, "--metrics-timeout"),
         credentials=credentials_from(args),
     )
     try:

@@ -302,19 +302,29 @@ def run_node(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     credentials = credentials_from(args)
     settings = plugin_settings(args)
-    index = index_from(args, settings)
-    try:
-        node = node_from(args, credentials, settings)
-    except BaseException:
-        index.close()
-        raise
-    # The node's transport servers serve the lookup image too: one port per transport.
-    controller = controller_from(args, credentials, index, node.servers)
+    # As for a node: the endpoint is up (alive, not ready) while the memory is prepared.
+    controllers: list[Controller] = []
     agents: list[NodeAgent] = []
     health = Health()
-    add_node_checks(health, lambda: True, lambda: agents[0] if agents else None)
-    try:
-        with _controller_metrics(args, controller, health) as metrics:
+    add_node_checks(health, lambda: bool(controllers), lambda: agents[0] if agents else None)
+
+    def stats() -> Scopes:
+        if not controllers or not controllers[0].endpoint:
+            return {}
+        return _controller_stats(lambda: controllers[0].endpoint, args)
+
+    with _metrics(args, stats, "the controller", health) as metrics:
+        index = index_from(args, settings)
+        try:
+            node = node_from(args, credentials, settings)
+        except BaseException:
+            index.close()
+            raise
+        try:
+            # The node's transport servers serve the lookup image too: one port per transport.
+            controller = controller_from(args, credentials, index, node.servers)
+            add_controller_checks(health, controller)
+            controllers.append(controller)
             _stop_on_signals(controller.stop)
 
             def ready(endpoint: str) -> None:
@@ -351,7 +361,7 @@ def run_serve(args: argparse.Namespace) -> int:
             finally:
                 for agent in agents:
                     agent.stop()
-    finally:
-        index.close()
-        node.close()
+        finally:
+            index.close()
+            node.close()
     return 0

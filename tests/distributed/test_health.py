@@ -112,3 +112,34 @@ def test_a_node_without_its_controller_is_alive_but_not_ready(
         assert "not ready registered: not registered with the controller at" in body
     finally:
         node.stop()
+
+
+def test_serve_is_ready_with_every_check_of_both(tmp_path_factory: pytest.TempPathFactory) -> None:
+    logs = tmp_path_factory.mktemp("serve")
+    serve = ServerProcess(
+        [
+            "serve",
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+            "--capacity",
+            "16MiB",
+            "--transport",
+            "tcp",
+            "--metrics-port",
+            "0",
+        ],
+        logs / "serve.log",
+        {},
+        "serving on",
+    )
+    try:
+        base = _base(serve.ready_line)
+        assert _get(base + "/healthz")[0] == 200
+        _status, body = wait_for(
+            "ready", lambda: _get(base + "/readyz"), until=lambda r: r[0] == 200
+        )
+        for check in ("memory", "registered", "controller", "index"):
+            assert f"ok {check}" in body
+        assert "kvfabric_up 1.0" in _get(base + "/metrics")[1]
+    finally:
+        serve.stop()

@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
     KVConnectorMetadata,
 )
 
+from kvfabric.adapters.vllm_events import EngineView
 from kvfabric.adapters.vllm_keys import Rank
 
 __all__ = ["KVFabricHandshake", "KVFabricMetadata", "Transfer"]
@@ -44,6 +45,8 @@ class Transfer:
     descriptors: tuple[tuple[Rank, tuple[bytes, ...]], ...] = ()
     """For loads: where each rank's blocks are, as the scheduler's lookup found them (wire
     form), so the worker's read needs no round trip of its own."""
+    engine: EngineView | None = None
+    """For saves: vLLM's view of the blocks, for the tier's KV events."""
 
 
 @dataclass

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -30,6 +31,7 @@ from typing import Any
 import attrs
 
 import kvfabric
+from kvfabric.adapters.vllm_events import EngineView
 from kvfabric.adapters.vllm_keys import KeySpace, Rank
 from kvfabric.adapters.vllm_metadata import KVFabricHandshake, KVFabricMetadata, Transfer
 from kvfabric.adapters.vllm_stats import IntervalStats, KVFabricConnectorStats
@@ -53,6 +55,7 @@ SCHEDULER_COUNTERS = (
     "lookup_blocks",
     "lookup_hit_blocks",
     "lookup_control_rpcs",
+    "lookup_deferrals",
     "hit_blocks",
     "miss_blocks",
     "invalid_blocks_reported",
@@ -60,8 +63,9 @@ SCHEDULER_COUNTERS = (
 """What the scheduler side counts (``KVFabricConnector.counters()`` on the scheduler).
 
 ``lookup_*`` count every lookup, also the repeats vLLM makes for a request it could not
-schedule yet; ``hit_blocks`` and ``miss_blocks`` count each admitted request once: blocks
-it loads from kvfabric, and blocks it looked up that kvfabric did not have."""
+schedule yet; ``lookup_deferrals`` the answers "not yet" (a step's lookup wait spent);
+``hit_blocks`` and ``miss_blocks`` count each admitted request once: blocks it loads from
+kvfabric, and blocks it looked up that kvfabric did not have."""
 
 
 def warn_if_hashes_unshared(hash_algo: str) -> None:
@@ -125,8 +129,8 @@ class SchedulerSide:
     """The connector's state in vLLM's scheduler; see the module docstring.
 
     ``block_ids_of(req_id)``: the request's block ids in the paged cache, in block order
-    (vLLM's ``KVCacheManager.get_block_ids(req_id)[0]``); ``lookup_wait``: seconds a lookup
-    may hold the scheduler before the answer is "not yet".
+    (vLLM's ``KVCacheManager.get_block_ids(req_id)[0]``); ``lookup_wait``: seconds lookups
+    may hold the scheduler in one step before the answers are "not yet".
     """
 
     def __init__(
@@ -149,6 +153,8 @@ class SchedulerSide:
         self._layouts: dict[Rank, str] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._lookup_wait = lookup_wait
+        self._step_wait_left = lookup_wait
+        """What is left of this step's ``lookup_wait`` (renewed by :meth:`build_connector_meta`)."""
         self._asking: dict[str, tuple[int, Future[_Lookup]]] = {}
         """Lookups under way, by request: the local blocks they started from, and the answer."""
         self._lookup_thread: ThreadPoolExecutor | None = None
@@ -223,19 +229,23 @@ class SchedulerSide:
             return 0
         asking = self._asking.get(req_id)
         if asking is None or asking[0] != local:
-            # Wait only if no lookup is running: a new one would queue behind it.
-            running = any(not future.done() for _, future in self._asking.values())
-            wait = 0.0 if running else self._lookup_wait
             if self._lookup_thread is None:
                 self._lookup_thread = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-lookup")
             future = self._lookup_thread.submit(self._lookup, request, local, usable)
             self._asking[req_id] = (local, future)
         else:
-            wait, future = 0.0, asking[1]
+            future = asking[1]
+        # The wait is a budget per step, not per request: every new request of a step is
+        # answered while the index is healthy (one whose lookup queues behind another's
+        # still gets its answer), and a dead one holds a step for lookup_wait at most.
+        started = time.monotonic()
         try:
-            lookup = future.result(timeout=wait)
+            lookup = future.result(timeout=self._step_wait_left)
         except FutureTimeoutError:
+            self._step_wait_left = 0.0
+            self.counters.update(lookup_deferrals=1)
             return None
+        self._step_wait_left = max(0.0, self._step_wait_left - (time.monotonic() - started))
         del self._asking[req_id]
         self._lookups[req_id] = lookup
         return (local + lookup.hit_blocks) * bs - num_computed_tokens if lookup.hit_blocks else 0
@@ -316,6 +326,7 @@ class SchedulerSide:
         """This step's loads, and the blocks that become full in it (saves)."""
         meta = KVFabricMetadata(loads=self._pending_loads)
         self._pending_loads = []
+        self._step_wait_left = self._lookup_wait
         if self._store is None or not self._layouts:
             return meta
         scheduled = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
@@ -337,10 +348,23 @@ class SchedulerSide:
                     cache_salt=state.request.cache_salt,
                     block_hashes=tuple(state.request.block_hashes[state.stored_upto : full]),
                     block_ids=tuple(block_ids[state.stored_upto : full]),
+                    engine=self._engine_view(state.request, state.stored_upto, full),
                 )
             )
             state.stored_upto = full
         return meta
+
+    def _engine_view(self, request: Any, start: int, end: int) -> EngineView:
+        """vLLM's view of blocks ``start`` to ``end`` of ``request``, for the KV events."""
+        bs = self._block_size
+        lora = request.lora_request
+        return EngineView(
+            parent=request.block_hashes[start - 1] if start else None,
+            token_ids=tuple(request.all_token_ids[start * bs : end * bs]),
+            block_size=bs,
+            lora_id=lora.adapter_id if lora else None,
+            lora_name=lora.name if lora else None,
+        )
 
     def update_connector_output(self, invalid_block_ids: set[int]) -> None:
         """The workers could not load ``invalid_block_ids``: vLLM recomputes them."""

@@ -229,7 +229,7 @@ class WorkerSide:
         for transfer in meta.saves:
             keys += self._transfer_keys(transfer)
             block_ids += transfer.block_ids
-        self._saves.save(keys, block_ids)
+        self._saves.save(keys, block_ids, [(t.block_hashes, t.engine) for t in meta.saves])
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for background saves; False if some are still running after ``timeout``."""

@@ -37,6 +37,7 @@ from kvfabric.errors import (
     ValueTooLargeError,
 )
 from kvfabric.keys import KEY_SIZE, ROOT_KEY, chain_key, chain_keys, fold_key
+from kvfabric.spi.events import EngineBlock
 from kvfabric.urls import EmbeddedOptions, RemoteOptions, options_dict, parse_url
 
 __version__ = "0.1.0"
@@ -48,6 +49,7 @@ __all__ = [
     "ConfigError",
     "ControllerUnavailableError",
     "Descriptor",
+    "EngineBlock",
     "InvalidKeyError",
     "KvfabricError",
     "NameInUseError",

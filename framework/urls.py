@@ -74,6 +74,11 @@ class ClientOptions:
 
     timeout: float = 2.0
     """Bound on one batched read or write to a data node (seconds)."""
+    node_backoff: float = 1.0
+    """After a data node fails as a whole (a timeout, a failed connection), hold it off this
+    long (seconds): lookups count keys only there as misses, reads and writes skip it
+    without waiting; then one call probes it, and each failed probe doubles the period (up
+    to 30 s). 0: never hold a node off (every call waits ``timeout`` again)."""
     prefetch_entries: int = 65536
     prefetch_ttl: float = 10.0
     max_value: int = 1 << 30
@@ -131,7 +136,19 @@ class RemoteOptions(ClientOptions):
     retry_interval: float = 1.0
     """After the controller failed to answer, calls fail fast this long before retrying."""
     secret_file: str | None = None
-    """File holding the deployment's shared secret (else ``KVFABRIC_SECRET``, if set)."""
+    """File holding the deployment's shared secret (else ``KVFABRIC_SECRET``, if set); with
+    ``tenant``, the tenant's secret."""
+    report_interval: float = 5.0
+    """Seconds between this client's usage reports to the controller (keys looked up, read
+    and written, and its calls' durations: the fleet's hit rate in ``kvfabric stats`` and
+    the controller's metrics); 0 reports only when the store closes."""
+    tenant: str | None = None
+    """The tenant this client is (docs/tenants.md): its keys are that tenant's namespace,
+    authenticated by the tenant's secret (``secret_file``)."""
+    controller_key: str | None = None
+    """With ``tenant``: the controller's public key (printed by the controller at start),
+    so a tenant's client, which does not hold the deployment's secret, still knows it talks
+    to that controller."""
 
 
 def _duration(
@@ -142,6 +159,7 @@ def _duration(
 
 _PARSERS: dict[str, Callable[[str], Any]] = {
     "timeout": _duration(above=0.0),
+    "node_backoff": _duration(at_least=0.0),
     "prefetch_entries": _positive_int,
     "prefetch_ttl": _duration(at_least=0.0),
     "max_value": bounded(parse_size, at_least=1),
@@ -160,6 +178,9 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "control_timeout": _duration(above=0.0),
     "retry_interval": _duration(at_least=0.0),
     "secret_file": str,
+    "report_interval": _duration(at_least=0.0),
+    "tenant": str,
+    "controller_key": str,
 }
 
 SCHEMES: dict[str, type[ClientOptions]] = {

@@ -23,6 +23,7 @@ threads stayed in the parent), and ``store`` builds its own parts (see ``Store``
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -31,6 +32,7 @@ from kvfabric._client.record_io import RecordIO
 from kvfabric._client.store import PutOutcome, Store
 from kvfabric._runtime import forks
 from kvfabric.descriptor import Descriptor
+from kvfabric.spi.events import EngineBlock
 
 __all__ = ["AsyncStore"]
 
@@ -102,8 +104,15 @@ class AsyncStore:
     ) -> list[bool]:
         return await self._run(self.store.batched_get_scattered, keys, into)
 
-    async def batched_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[PutOutcome]:
-        return await self._run(self.store.batched_put, keys, values)
+    async def batched_put(
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        *,
+        blocks: Sequence[EngineBlock | None] | None = None,
+    ) -> list[PutOutcome]:
+        put = functools.partial(self.store.batched_put, blocks=blocks)
+        return await self._run(put, keys, values)
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         return await self._run(self.store.delete, keys)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from kvfabric._client.engine_blocks import Blocks, blocks_for
 from kvfabric._client.extents import EXTENT_BYTES, Carving, ExtentPool, stripes
 from kvfabric._client.index_calls import IndexCalls, Outcomes
 from kvfabric._client.put_outcome import PutOutcome
@@ -59,6 +60,7 @@ class CarvedWrites:
         keys: Sequence[bytes],
         pieces: Sequence[list[memoryview]],
         lengths: Sequence[int],
+        blocks: Blocks = None,
     ) -> list[PutOutcome] | None:
         """The put through extents: the lookup image says which keys are stored (those
         move no bytes), the others are laid into extents this client holds (one per node,
@@ -97,7 +99,7 @@ class CarvedWrites:
                 self._counters.add("late_writes_avoided", len(fresh))
                 written = [PutOutcome.FAILED] * len(fresh)
             else:
-                written = self._write(carvings, [pieces[i] for i in fresh], again)
+                written = self._write(carvings, [pieces[i] for i in fresh], again, blocks)
             for i, outcome in zip(fresh, written, strict=True):
                 outcomes[i] = outcome
         self._counters.update(
@@ -148,9 +150,10 @@ class CarvedWrites:
                 pool.returning(),
             )
             leased = pool.leased(extents or [], asked_at, wanted)
-            self._counters.update(
-                extent_leases=len(leased), evictions=sum(h.extent.evictions for h in leased)
-            )
+            evictions = sum(h.extent.evictions for h in leased)
+            self._counters.update(extent_leases=len(leased), evictions=evictions)
+            # Each entry evicted to make room is a bucket of the image rewritten (emptied).
+            topology.expect_image_rewrites(evictions)
             held += leased
         topology.learn({h.extent.node for h in held})
         for h in [h for h in held if not self._records.reaches([h.extent.node])]:
@@ -177,6 +180,7 @@ class CarvedWrites:
         carvings: list[Carving],
         pieces: Sequence[list[memoryview]],
         again: list[bytes],
+        blocks: Blocks,
     ) -> list[PutOutcome]:
         """Write the carved records (each node's in parallel) and publish those that landed,
         with ``again`` (the keys found stored), in one call; one outcome per record, in the
@@ -186,7 +190,11 @@ class CarvedWrites:
         order = [i for carving in carvings for i in carving.positions]
         self._topology.learn({carving.held.extent.node for carving in carvings})
         report = self._records.write(descriptors, [pieces[i] for i in order])
-        self._counters.add("transport_failures", report.failed_nodes)
+        self._counters.update(
+            transport_failures=report.failed_nodes,
+            backoff_skips=report.skipped,
+            nodes_backed_off=report.backed_off,
+        )
         crcs = iter(report.crcs)
         landed: list[CarvedRecord] = []
         for carving in carvings:
@@ -204,13 +212,18 @@ class CarvedWrites:
                             crc=crc,
                         )
                     )
-        told = (
-            self._calls.publish(self._index.publish_carved, landed, again)
-            if landed or again
-            else Outcomes([], held=False)
-        )
+        said = blocks_for([r.key for r in landed], blocks) if blocks else None
+        if said:
+            told = self._calls.publish(self._index.publish_carved_described, landed, again, said)
+        elif landed or again:
+            told = self._calls.publish(self._index.publish_carved, landed, again)
+        else:
+            told = Outcomes([], held=False)
         if report.failed_nodes or len(landed) < len(descriptors):
             self._topology.relearn_after_failure()
+        if told is not None:
+            # A record stored is one bucket of the image rewritten.
+            self._topology.expect_image_rewrites(told.values.count(CarveOutcome.STORED))
         outcome_of: dict[tuple[int, int], CarveOutcome | None] = dict(
             zip(
                 ((r.extent, r.offset) for r in landed),

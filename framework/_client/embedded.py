@@ -117,9 +117,10 @@ def open_embedded(options: EmbeddedOptions, name: str, plugins: PluginManager) -
                 except BaseException:
                     index.close()
                     raise
-                return client_parts(
-                    index, RecordIO({transport_name: client}, [transport_name]), store
+                records = RecordIO(
+                    {transport_name: client}, [transport_name], node_backoff=options.node_backoff
                 )
+                return client_parts(index, records, store)
             if backend.persistent:
                 raise NotSupportedError(
                     f"this embedded store keeps its records in {options.backend} files that "
@@ -143,7 +144,9 @@ def open_embedded(options: EmbeddedOptions, name: str, plugins: PluginManager) -
             services.clients += 1
         try:
             records = RecordIO(
-                {transport_name: transport_cls.create_client(config)}, [transport_name]
+                {transport_name: transport_cls.create_client(config)},
+                [transport_name],
+                node_backoff=options.node_backoff,
             )
             return StoreParts(
                 index=services.index,

@@ -11,12 +11,14 @@ it, one way per deployment:
 - **mirrored** — elsewhere, through a transport client (the image is a region of the
   pseudo-node :data:`~kvfabric.spi.IMAGE_NODE`). The reader copies the buckets once, then
   per lookup lands the header and the ring entries logged since its cursor — one read of
-  two or three segments, whatever the number of keys — applies them to its copy and probes
-  that, so a lookup's cost on the image's server does not grow with its keys (reading each
-  key's window would cost a segment per key, which a transport that works per segment on
-  the server, as ``tcp`` does, pays for in the controller's CPU). The copy costs the image's
-  bucket bytes of memory (16 MiB by default) and one bulk read at connect (and again after
-  falling a ring's length behind).
+  two or three segments, whatever the number of keys: as many entries as this client's own
+  publishes rewrote since (:meth:`ImageReader.expect`), so a lookup right after a put
+  costs one read too, plus twice what other writers wrote between its last two reads —
+  applies them to its copy and probes that, so a lookup's cost on the image's server does
+  not grow with its keys (reading each key's window would cost a segment per key, which a
+  transport that works per segment on the server, as ``tcp`` does, pays for in the
+  controller's CPU). The copy costs the image's bucket bytes of memory (16 MiB by default)
+  and one bulk read at connect (and again after falling a ring's length behind).
 
 A reader answers a probe or says it cannot (:attr:`~kvfabric.spi.ImageStop.UNUSABLE`), never
 raises for a failed read: the store then asks the controller. It knows nothing of the
@@ -70,7 +72,8 @@ MAX_AGE = 2.0
 every ~0.25 s; a controller loop held up longer than this only costs lookups by RPC."""
 
 _UNUSABLE = (0, ImageStop.UNUSABLE, b"", 0)
-# Ring entries read per lookup: at least this many, else twice what the last read found.
+# Ring entries read per lookup: at least this many, else this client's own rewrites since
+# and twice what other writers' were at the last read.
 _MIN_CHUNK = 64
 # Reads one lookup may make to catch its mirror up before it gives up (and asks the index).
 _MAX_READS = 3
@@ -97,6 +100,11 @@ class ImageReader(abc.ABC):
     @abc.abstractmethod
     def nodes_generation(self) -> int:
         """The index's nodes generation as of this reader's last probe (mapped: now)."""
+
+    def expect(self, rewrites: int) -> None:
+        """This client's own publish just made ``rewrites`` bucket rewrites (at least): a
+        reader that catches up reads them with its next probe's one read. Mapped: nothing
+        to catch up."""
 
     def close(self) -> None:
         """Release what the reader holds (a mapping, a connection)."""
@@ -205,10 +213,14 @@ class RemoteImage(ImageReader):
         """Guards the mirror and the cursor: updates and probes take it, reads do not."""
         self._cursor = 0
         """The first rewrite the mirror lacks."""
-        self._chunk = _MIN_CHUNK
+        self._others = 0
+        """Other writers' rewrites the last catch-up found: the next reads twice as many."""
+        self._expected = 0
+        """Rewrites this client's own publishes made since the last catch-up began: the
+        next one reads those too (:meth:`expect`)."""
         self._spare: _Landing | None = None
-        self._generation = -1
         """The last catch-up's buffers, for the next one reading the same range."""
+        self._generation = -1
 
     @classmethod
     def connect(
@@ -257,6 +269,12 @@ class RemoteImage(ImageReader):
 
     def nodes_generation(self) -> int:
         return self._generation
+
+    def expect(self, rewrites: int) -> None:
+        # Without this, a lookup right after a put of more keys than the chunk would read
+        # the first chunk, find the head further on, and read again.
+        with self._lock:
+            self._expected += rewrites
 
     def close(self) -> None:
         self._client.disconnect(IMAGE_NODE)
@@ -311,9 +329,21 @@ class RemoteImage(ImageReader):
     def _catch_up(self) -> tuple[bool, int]:
         """Apply every rewrite logged before the head read now: ``(fresh, round trips)``."""
         trips = 0
+        ring = self._geometry.ring_length
         for _ in range(_MAX_READS):
             with self._lock:
-                landing = self._landing(self._cursor, self._chunk)
+                own = self._expected
+                if own > ring:
+                    # This client's own publishes lapped the ring: no entry read can
+                    # catch the mirror up, a copy of the buckets does.
+                    self._expected = 0
+                    copied = self._copy()
+                    if copied < 0:
+                        return False, trips + 1
+                    trips += copied
+                    continue
+                count = min(max(_MIN_CHUNK, own + 2 * self._others), ring)
+                landing = self._landing(self._cursor, count)
             first = landing.first
             trips += 1
             if not self._move(landing.segments, True):
@@ -325,9 +355,11 @@ class RemoteImage(ImageReader):
                 self._generation = ImageGeometry.nodes_generation_of(landing.header)
                 self._spare = landing
                 self._cursor = max(self._cursor, cursor)
-                # Read twice what this lookup found next time: a burst of writes is caught
-                # up in one more read, a quiet image costs a few KiB per lookup.
-                self._chunk = min(max(_MIN_CHUNK, 2 * (head - first)), self._geometry.ring_length)
+                self._expected = max(0, self._expected - own)
+                # Next time, read this client's own rewrites (its publishes say how many)
+                # and twice what others wrote since the last read: a burst of writes is
+                # caught up in one more read, a quiet image costs a few KiB per lookup.
+                self._others = max(0, head - first - own)
                 if state == RingState.CAUGHT_UP:
                     return True, trips
                 if state == RingState.LAPPED:
@@ -357,7 +389,9 @@ class RemoteImage(ImageReader):
             (offset, mirror[offset : min(offset + _COPY_PIECE, geometry.buckets_end)])
             for offset in range(IMAGE_HEADER_SIZE, geometry.buckets_end, _COPY_PIECE)
         ]
-        entries, pieces = self._entries(head, self._chunk)
+        entries, pieces = self._entries(
+            head, min(max(_MIN_CHUNK, 2 * self._others), geometry.ring_length)
+        )
         if not self._read([(0, memoryview(again)), *buckets, *pieces], small=False):
             return -1
         mirror[:IMAGE_HEADER_SIZE] = again

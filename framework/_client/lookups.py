@@ -9,6 +9,12 @@ image are reported to the index in the background (:mod:`~kvfabric._client.touch
 eviction still sees them. Stale hits are harmless: the read validates every record, and
 re-resolves by RPC. Observers of ``kvfabric_lookup_done`` are called on a thread of their
 own, off the lookup path.
+
+While a data node is held off after failing (:mod:`~kvfabric._client.node_breaker`),
+``batched_contains`` stops its prefix at the first key with no copy on a node in use (a key
+whose first copy is on the node held off but whose next copy is elsewhere still counts), so
+the engine recomputes those blocks rather than wait on the node; ``batched_exists`` says what
+is stored, wherever.
 """
 
 from __future__ import annotations
@@ -18,16 +24,19 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from kvfabric._client.image_reader import ImageReader
 from kvfabric._client.index_calls import IndexCalls
 from kvfabric._client.key_checks import check_keys
+from kvfabric._client.node_breaker import NodeBreaker
 from kvfabric._client.prefetch import PrefetchCache
 from kvfabric._client.topology import Topology
 from kvfabric._client.touches import TouchReporter
 from kvfabric._plugins import PluginManager
-from kvfabric._runtime.image import ImageStop
+from kvfabric._runtime.image import ImageStop, alternate_key
 from kvfabric._runtime.log_limit import LimitedLog
-from kvfabric.descriptor import Descriptor, PackedDescriptors
+from kvfabric.descriptor import DESCRIPTOR_DTYPE, DESCRIPTOR_SIZE, Descriptor, PackedDescriptors
 from kvfabric.spi.counters import Counters
 from kvfabric.spi.index import Copies
 
@@ -78,7 +87,9 @@ class Lookups:
         touches: TouchReporter,
         observer: LookupObserver,
         max_value: int,
+        breaker: NodeBreaker,
     ) -> None:
+        """``breaker``: the data nodes held off (the record I/O layer's)."""
         self._calls = calls
         self._index = calls.index
         self._topology = topology
@@ -87,6 +98,7 @@ class Lookups:
         self._touches = touches
         self._observer = observer
         self._max_value = max_value
+        self._breaker = breaker
         self._limited = LimitedLog(log)
 
     def contains(self, keys: Sequence[bytes]) -> int:
@@ -99,9 +111,10 @@ class Lookups:
             return 0
         copies = self._calls.ask(self._index.lookup_copies, keys)
         if copies is None:
+            self._counters.add("lookup_keys", len(keys))
             return 0
         found = self._remember(keys, copies)
-        self._counters.update(lookups=1, prefix_hits=found)
+        self._counters.update(lookups=1, lookup_keys=len(keys), prefix_hits=found)
         self._observer.observe(keys, found)
         return found
 
@@ -113,9 +126,12 @@ class Lookups:
         check_keys(keys)
         if not keys:
             return []
-        self._counters.add("exists_calls")
         flags = self._calls.ask(self._index.exists, keys)
-        return [False] * len(keys) if flags is None else flags
+        if flags is None:
+            self._counters.update(exists_calls=1, exists_keys=len(keys))
+            return [False] * len(keys)
+        self._counters.update(exists_calls=1, exists_keys=len(keys), exists_hits=flags.count(True))
+        return flags
 
     def locate(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
         """``Store.locate``: asked of the index now; the prefetch cache is left alone."""
@@ -163,6 +179,11 @@ class Lookups:
         except TypeError:
             check_keys(keys)  # raises the error that says what a key must be
             raise
+        if hits and self._breaker.engaged:
+            usable = self._usable_from_image(image, keys, hits, wires)
+            if usable < hits:
+                self._counters.add("backoff_misses", hits - usable)
+                hits, stop, wires = usable, ImageStop.MISS, wires[: usable * DESCRIPTOR_SIZE]
         if hits:
             # The caller's own sequence when every key hit: a copy of the keys would be a
             # sizeable share of the lookup. The cache checks each descriptor's key when a
@@ -174,6 +195,7 @@ class Lookups:
         if stop == ImageStop.HIT or stop == ImageStop.MISS:
             self._counters.update(
                 lookups=1,
+                lookup_keys=len(keys),
                 prefix_hits=hits,
                 onesided_lookups=1,
                 image_round_trips=trips,
@@ -188,6 +210,7 @@ class Lookups:
         total = hits + (self._remember(keys[hits:], copies) if copies is not None else 0)
         self._counters.update(
             lookups=1,
+            lookup_keys=len(keys),
             prefix_hits=total,
             image_fallbacks=1,
             image_unavailable=int(stop == ImageStop.UNUSABLE),
@@ -200,6 +223,9 @@ class Lookups:
         """Keep a lookup's leading run of hits on ``keys`` (and their other copies); how
         many."""
         descriptors = copies.descriptors
+        if self._breaker.engaged:
+            copies = self._usable_copies(copies)
+            descriptors = copies.descriptors
         if isinstance(descriptors, PackedDescriptors):
             # Kept in wire form, as a lookup from the image keeps them: a read decodes
             # what it takes, and the cache checks each one's key against the key asked.
@@ -210,16 +236,68 @@ class Lookups:
         self._prefetch.remember(hits, copies.alternates)
         return len(hits)
 
+    def _usable_from_image(
+        self, image: ImageReader, keys: Sequence[bytes], hits: int, wires: bytes
+    ) -> int:
+        """How many of the ``hits`` leading keys found in the image have a copy on a node in
+        use: the first copy's node (in ``wires``), else the second copy's (filed in the image
+        under its alternate key)."""
+        held_off = self._breaker.unavailable()
+        if not held_off:
+            return hits
+        nodes = np.frombuffer(wires, DESCRIPTOR_DTYPE, count=hits)["node"]
+        blocked = np.flatnonzero(np.isin(nodes, list(held_off)))
+        if not len(blocked):
+            return hits
+        found, _, second, trips = image.prefix([alternate_key(keys[int(i)], 1) for i in blocked])
+        self._counters.add("image_round_trips", trips)
+        elsewhere = np.frombuffer(second, DESCRIPTOR_DTYPE, count=found)["node"]
+        for j, i in enumerate(blocked):
+            if j >= found or int(elsewhere[j]) in held_off:
+                return int(i)
+        return hits
+
+    def _usable_copies(self, copies: Copies) -> Copies:
+        """``copies`` (a lookup's leading run) cut at the first key with no copy on a node
+        in use."""
+        held_off = self._breaker.unavailable()
+        descriptors = copies.descriptors
+        if not held_off or not descriptors:
+            return copies
+        if isinstance(descriptors, PackedDescriptors):
+            nodes = np.frombuffer(descriptors.wires, DESCRIPTOR_DTYPE)["node"]
+        else:
+            run = next((i for i, d in enumerate(descriptors) if d is None), len(descriptors))
+            nodes = np.array([d.node for d in descriptors[:run] if d is not None], np.uint32)
+        for i in np.flatnonzero(np.isin(nodes, list(held_off))):
+            others = copies.alternates.get(int(i), ())
+            if all(other.node in held_off for other in others):
+                cut = int(i)
+                self._counters.add("backoff_misses", len(nodes) - cut)
+                kept: Sequence[Descriptor | None] = (
+                    PackedDescriptors(descriptors.wires[: cut * DESCRIPTOR_SIZE])
+                    if isinstance(descriptors, PackedDescriptors)
+                    else descriptors[:cut]
+                )
+                alternates = {j: a for j, a in copies.alternates.items() if j < cut}
+                return Copies(descriptors=kept, alternates=alternates)
+        return copies
+
     def _exists_from_image(self, image: ImageReader, keys: Sequence[bytes]) -> list[bool]:
         try:
             states, trips = image.exists(keys)
         except TypeError:
             check_keys(keys)
             raise
-        self._counters.update(exists_calls=1, image_round_trips=trips)
         found = [state == ImageStop.HIT for state in states]
         if ImageStop.UNKNOWN not in states:
-            self._counters.add("onesided_lookups")
+            self._counters.update(
+                exists_calls=1,
+                exists_keys=len(keys),
+                exists_hits=found.count(True),
+                image_round_trips=trips,
+                onesided_lookups=1,
+            )
             return found
         unknown = [i for i, state in enumerate(states) if state == ImageStop.UNKNOWN]
         self._counters.add("image_fallbacks")
@@ -227,4 +305,10 @@ class Lookups:
         if flags is not None:
             for i, flag in zip(unknown, flags, strict=True):
                 found[i] = flag
+        self._counters.update(
+            exists_calls=1,
+            exists_keys=len(keys),
+            exists_hits=found.count(True),
+            image_round_trips=trips,
+        )
         return found

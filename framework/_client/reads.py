@@ -66,12 +66,17 @@ class Reads:
         prefetched = [d is not None for d in descriptors]
         self._counters.update(gets=1, prefetch_hits=sum(prefetched))
         missing = [i for i, d in enumerate(descriptors) if d is None]
+        unresolved = 0
         if missing:
-            found = self._calls.resolve_copies([keys[i] for i in missing])
-            for j, i in enumerate(missing):
-                descriptors[i] = found.descriptors[j]
-                if j in found.alternates:
-                    alternates[i] = found.alternates[j]
+            found = self._calls.ask(self._index.resolve_copies, [keys[i] for i in missing])
+            if found is None:
+                unresolved = len(missing)  # the index could not say: failures, not misses
+            else:
+                for j, i in enumerate(missing):
+                    descriptors[i] = found.descriptors[j]
+                    if j in found.alternates:
+                        alternates[i] = found.alternates[j]
+        located = len(descriptors) - descriptors.count(None)
         results, invalid = self._read_copies(keys, descriptors, alternates, into)
         # Records the index still publishes that failed validation: torn, or overwritten by
         # a writer that outlived its lease. Reported, so the index unpublishes them (that
@@ -104,8 +109,12 @@ class Reads:
                         results[i] = value
                 broken += [d for copies in still_invalid.values() for d in copies]
         self._report_invalid(broken)
-        hits = sum(r is not None for r in results)
-        self._counters.update(get_hits=hits, get_misses=len(keys) - hits)
+        hits = len(results) - results.count(None)
+        # A miss is a key the index does not hold; a failure one it holds (or could not
+        # say about) whose read did not land a valid record.
+        self._counters.update(
+            get_hits=hits, get_misses=len(keys) - hits, get_failures=located - hits + unresolved
+        )
         return results
 
     def get_scattered(self, keys: Sequence[bytes], into: Sequence[Sequence[Any]]) -> list[bool]:
@@ -211,6 +220,8 @@ class Reads:
             validation_failures=len(report.invalid),
             transport_failures=report.failed_nodes,
             refused_reads=report.refused,
+            backoff_skips=report.skipped,
+            nodes_backed_off=report.backed_off,
         )
         if report.failed_nodes or report.refused:
             self._topology.relearn_after_failure()

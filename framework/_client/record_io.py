@@ -6,7 +6,9 @@ and one segment per payload piece, written once here for reads and writes alike)
 (nodes in parallel, one transport call per node, or a few at once for a large write to a
 transport with ``write_lanes``) and validation (magic, key, version, length, CRC32C). It
 never talks to the index: the store learns membership and hands it over with
-:meth:`RecordIO.set_nodes`.
+:meth:`RecordIO.set_nodes`. A node that fails as a whole (a timeout, a failed connection)
+is held off for a while by :mod:`~kvfabric._client.node_breaker`: its records are skipped,
+not waited for, until a probe finds it answering again.
 
 Reads land straight in the caller's buffers (or in one fresh allocation per batch), writes
 gather straight from the caller's buffers. The GIL is taken back a bounded number of times
@@ -31,13 +33,14 @@ from typing import Any, TypeVar
 import attrs
 import numpy as np
 
+from kvfabric._client.node_breaker import NodeBreaker
 from kvfabric._client.routes import Routes
 from kvfabric._runtime import forks
 from kvfabric._runtime.buffers import byte_view, writable_view
 from kvfabric._runtime.log_limit import LimitedLog
 from kvfabric._runtime.record import HEADER_SIZE, pack_headers, validate_record
 from kvfabric.descriptor import Descriptor
-from kvfabric.errors import NotSupportedError, ValidationError
+from kvfabric.errors import NotSupportedError, TransportError, ValidationError
 from kvfabric.spi.index import NodeInfo
 from kvfabric.spi.transport import Segment, TransportClient
 
@@ -50,6 +53,9 @@ K = TypeVar("K")
 LANE_MIN_BYTES = 8 << 20
 """A node's write below this goes as one call whatever the transport's ``write_lanes``: a
 second thread's hand-off costs more than it saves on a small batch."""
+
+NODE_BACKOFF = 1.0
+"""Seconds a node that failed as a whole is held off, by default (option ``node_backoff``)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -68,8 +74,12 @@ class ReadReport:
     """Records a node or transport refused (unknown region, bad rkey, out of bounds): the
     route may be stale (the node restarted), so the store relearns the nodes."""
     unreachable: list[int] = attrs.field(factory=list)
-    """Indices of records that did not land: their node failed or refused them (where
-    another copy of the value exists, the store reads that one)."""
+    """Indices of records that did not land: their node failed, refused them or is held
+    off (where another copy of the value exists, the store reads that one)."""
+    skipped: int = 0
+    """Records not read because their node is held off (:mod:`~kvfabric._client.node_breaker`)."""
+    backed_off: int = 0
+    """Nodes whose failure in this batch began or lengthened their holding off."""
 
 
 @attrs.frozen(kw_only=True)
@@ -79,6 +89,10 @@ class WriteReport:
     crcs: list[int | None]
     """The payload CRC32C written with each record, or None where the write failed."""
     failed_nodes: int
+    skipped: int = 0
+    """Records not written because their node is held off (their CRC is None)."""
+    backed_off: int = 0
+    """Nodes whose failure in this batch began or lengthened their holding off."""
 
 
 class _Read:
@@ -113,10 +127,20 @@ class RecordIO:
     whether and over which transport a node is reached. The rest is the store's.
     """
 
-    def __init__(self, clients: Mapping[str, TransportClient], preference: Sequence[str]) -> None:
-        """``clients``: a transport client per name; ``preference``: names, most preferred first."""
+    def __init__(
+        self,
+        clients: Mapping[str, TransportClient],
+        preference: Sequence[str],
+        *,
+        node_backoff: float = NODE_BACKOFF,
+    ) -> None:
+        """``clients``: a transport client per name; ``preference``: names, most preferred
+        first; ``node_backoff``: seconds a node that failed as a whole is held off at first
+        (0: never)."""
         self._generation = forks.generation()
         self._routes = Routes(clients, preference)
+        self.breaker = NodeBreaker(node_backoff)
+        """The nodes held off (lookups consult it too). Tests may set its ``clock``."""
         self._lock = threading.Lock()
         self._io_pool: ThreadPoolExecutor | None = None
         # One line a minute per node and kind of failure, however many calls fail meanwhile.
@@ -126,7 +150,7 @@ class RecordIO:
 
     def set_nodes(self, nodes: Sequence[NodeInfo]) -> None:
         """Make the known data nodes exactly ``nodes`` (connects new ones, forgets gone ones)."""
-        self._routes.replace_nodes(nodes)
+        self.breaker.forget(self._routes.replace_nodes(nodes))
 
     def reaches(self, nodes: Iterable[int]) -> bool:
         """Whether every one of ``nodes`` has a route."""
@@ -153,15 +177,30 @@ class RecordIO:
         per_node = _plan_reads(keys, descriptors, into, self._limited)
         if not per_node:
             return ReadReport(values=values, invalid=[], payload_bytes=0, failed_nodes=0)
-        refused = 0
-        outcomes = self._per_node(
-            {n: functools.partial(self._read_node, n, items) for n, items in per_node.items()}
+        breaker = self.breaker
+        held_off = breaker.skipped(per_node)
+        started = breaker.now()
+        refused = skipped = backed_off = 0
+        outcomes = (
+            self._per_node(
+                {
+                    n: functools.partial(self._read_node, n, items)
+                    for n, items in per_node.items()
+                    if n not in held_off
+                }
+            )
+            if len(held_off) < len(per_node)
+            else {}
         )
         invalid: list[int] = []
         unreachable: list[int] = []
         landed = 0
         failed_nodes = 0
         for node, items in per_node.items():
+            if node in held_off:
+                skipped += len(items)
+                unreachable += [item.index for item in items]
+                continue
             outcome = outcomes[node]
             if isinstance(outcome, BaseException):
                 self._limited.warning(
@@ -169,7 +208,10 @@ class RecordIO:
                 )
                 failed_nodes += 1
                 unreachable += [item.index for item in items]
+                if isinstance(outcome, TransportError):
+                    backed_off += breaker.failed(node, started)
                 continue
+            breaker.succeeded(node)
             landed += outcome
             for item in items:
                 if item.result is not None:
@@ -186,6 +228,8 @@ class RecordIO:
             failed_nodes=failed_nodes,
             refused=refused,
             unreachable=unreachable,
+            skipped=skipped,
+            backed_off=backed_off,
         )
 
     def write(
@@ -202,8 +246,12 @@ class RecordIO:
         per_node: dict[int, list[int]] = {}
         for i, d in enumerate(descriptors):
             per_node.setdefault(d.node, []).append(i)
+        breaker = self.breaker
+        held_off = breaker.skipped(per_node)
+        started = breaker.now()
+        skipped = sum(len(per_node.pop(node)) for node in held_off)
         if not per_node:
-            return WriteReport(crcs=crcs, failed_nodes=0)
+            return WriteReport(crcs=crcs, failed_nodes=0, skipped=skipped)
         per_lane: dict[tuple[int, int], list[int]] = {}
         for node, indices in per_node.items():
             lanes = self._routes.client_for(node).write_lanes
@@ -218,6 +266,7 @@ class RecordIO:
             {key: functools.partial(job, key[0], idx) for key, idx in per_lane.items()}
         )
         failed: set[int] = set()
+        backed_off = 0
         for key, indices in per_lane.items():
             node, outcome = key[0], outcomes[key]
             if isinstance(outcome, BaseException):
@@ -228,11 +277,18 @@ class RecordIO:
                         node,
                         outcome,
                     )
+                    if isinstance(outcome, TransportError):
+                        backed_off += breaker.failed(node, started)
                 failed.add(node)
                 continue
             for i, crc in zip(indices, outcome, strict=True):
                 crcs[i] = crc
-        return WriteReport(crcs=crcs, failed_nodes=len(failed))
+        if breaker.engaged:
+            for node in per_node.keys() - failed:
+                breaker.succeeded(node)
+        return WriteReport(
+            crcs=crcs, failed_nodes=len(failed), skipped=skipped, backed_off=backed_off
+        )
 
     def wipe(self, descriptors: Sequence[Descriptor]) -> int:
         """Zero the headers of records this client wrote into slots still its own but whose

@@ -13,6 +13,9 @@ data nodes, the image being one more peer.
 HOST:PORT directly instead: no controller, the plugin's own round trips
 (:mod:`kvfabric._client.shared_index`).
 
+``?tenant=NAME`` connects as a tenant (:mod:`kvfabric._client.tenant_store`): with that
+tenant's secret and the controller's public key, never with a shared index.
+
 The plugins and their options are chosen once, when the store connects; what they make (the
 control client, the transport clients, a shared index's client) is made again in a child the
 store was forked into, by the same functions, without the plugin manager.
@@ -30,11 +33,13 @@ from kvfabric._client.image_reader import ImageReader, could_read, open_image
 from kvfabric._client.record_io import RecordIO
 from kvfabric._client.shared_index import check_shared, client_parts
 from kvfabric._client.store import Opener, Store, StoreParts
+from kvfabric._client.tenant_store import TenantStore
 from kvfabric._control.client import ControlClient
 from kvfabric._control.remote_index import RemoteIndex
 from kvfabric._control.security import Credentials, load_secret
+from kvfabric._control.tenant_keys import TenantKeys, valid_tenant_name
 from kvfabric._plugins import PluginManager, PluginOptions
-from kvfabric.errors import KvfabricError
+from kvfabric.errors import ConfigError, KvfabricError
 from kvfabric.spi.index import IndexConfig
 from kvfabric.spi.transport import Transport, TransportClient, TransportConfig
 from kvfabric.urls import RemoteOptions
@@ -45,8 +50,17 @@ log = logging.getLogger("kvfabric")
 
 
 def open_remote(options: RemoteOptions, host: str, port: int, plugins: PluginManager) -> Store:
-    secret = load_secret(options.secret_file)
-    credentials = Credentials.from_secret(secret) if secret else None
+    tenant = _tenant_keys(options)
+    if tenant is not None:
+        assert options.controller_key is not None
+        credentials: Credentials | None = tenant.client_credentials(options.controller_key)
+        # Extents are leased to no tenant (its puts allocate per batch), and the lookup
+        # image, every tenant's, is not read to it (it asks the controller, which keeps
+        # tenants apart).
+        options = attrs.evolve(options, extents=False, lookup_image=False)
+    else:
+        secret = load_secret(options.secret_file)
+        credentials = Credentials.from_secret(secret) if secret else None
     config = TransportConfig(
         timeout=options.timeout, token=credentials.data_token if credentials else b""
     )
@@ -60,7 +74,36 @@ def open_remote(options: RemoteOptions, host: str, port: int, plugins: PluginMan
         opener = functools.partial(
             _open_controlled, options, f"tcp://{host}:{port}", credentials, transports
         )
+    if tenant is not None:
+        return TenantStore(options=options, plugins=plugins, opener=opener, tenant=tenant)
     return Store(options=options, plugins=plugins, opener=opener)
+
+
+def _tenant_keys(options: RemoteOptions) -> TenantKeys | None:
+    """``tenant=NAME``'s keys from its secret; None without a tenant. A tenant needs its
+    secret and the controller's key, and a controller: a shared index has no one to hold
+    tenants apart."""
+    if options.tenant is None:
+        if options.controller_key is not None:
+            raise ConfigError("controller_key= is for a tenant's client (with tenant=NAME)")
+        return None
+    name = valid_tenant_name(options.tenant)
+    if options.index:
+        raise ConfigError(
+            f"tenant={name} with index={options.index}: tenants are served by a controller "
+            "(kvfabric controller --tenants FILE), which keeps them apart; a shared index is "
+            "used by its clients directly and cannot. Connect to the controller instead"
+        )
+    if not options.secret_file:
+        raise ConfigError(f"tenant={name} needs the tenant's secret: secret_file=FILE")
+    if not options.controller_key:
+        raise ConfigError(
+            f"tenant={name} needs controller_key=KEY: the controller's public key, which it "
+            "prints at start"
+        )
+    secret = load_secret(options.secret_file)
+    assert secret is not None
+    return TenantKeys.from_secret(name, secret)
 
 
 def _open_controlled(
@@ -97,9 +140,11 @@ def _open_controlled(
 
     return StoreParts(
         index=index,
-        records=RecordIO(clients, list(clients)),
+        records=RecordIO(clients, list(clients), node_backoff=options.node_backoff),
         on_close=[control.close],
         locate_image=locate_image if options.lookup_image else None,
+        report_usage=index.report_usage,
+        report_interval=options.report_interval,
     )
 
 
@@ -130,7 +175,8 @@ def _shared_opener(
             for client in clients.values():
                 client.close()
             raise
-        return client_parts(index, RecordIO(clients, list(clients)), store)
+        records = RecordIO(clients, list(clients), node_backoff=options.node_backoff)
+        return client_parts(index, records, store)
 
     return open_shared
 

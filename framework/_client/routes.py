@@ -34,17 +34,20 @@ class Routes:
         # A node that cannot be connected to is tried at every relearn: a line a minute.
         self._limited = LimitedLog(log)
 
-    def add_nodes(self, nodes: Sequence[NodeInfo]) -> None:
-        """Connect to nodes not yet known, or known under the same id with other endpoints.
+    def add_nodes(self, nodes: Sequence[NodeInfo]) -> list[int]:
+        """Connect to nodes not yet known, or known under the same id with other endpoints;
+        returns the ids of those (whether or not the connect succeeded).
 
         A node no transport can reach (or whose connect fails) stays unrouted: its reads and
         writes fail as transport failures, never as an exception out of a read.
         """
+        learned: list[int] = []
         for node in nodes:
             with self._lock:
                 known = self._infos.get(node.id)
             if known == node:
                 continue
+            learned.append(node.id)
             if known is not None:
                 self.remove_node(node.id)
             endpoints = {e.transport: e for e in node.endpoints}
@@ -68,15 +71,17 @@ class Routes:
                     self._routes[node.id] = (name, client)
                     self._infos[node.id] = node
                 break
+        return learned
 
-    def replace_nodes(self, nodes: Sequence[NodeInfo]) -> None:
-        """Make the membership exactly ``nodes`` (nodes left or joined, a new controller)."""
+    def replace_nodes(self, nodes: Sequence[NodeInfo]) -> list[int]:
+        """Make the membership exactly ``nodes`` (nodes left or joined, a new controller);
+        returns the ids of the nodes connected anew."""
         current = {n.id for n in nodes}
         with self._lock:
             gone = [n for n in self._infos if n not in current]
         for node in gone:
             self.remove_node(node)
-        self.add_nodes(nodes)
+        return self.add_nodes(nodes)
 
     def remove_node(self, node: int) -> None:
         with self._lock:

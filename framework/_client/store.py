@@ -13,7 +13,9 @@ job and the store's methods hand each batch call to it:
 - :mod:`~kvfabric._client.topology` — the data nodes and the lookup image, as learned from
   the index;
 - :mod:`~kvfabric._client.index_calls` — every index call, counted, under the read contract;
-- :mod:`~kvfabric._client.counter_names` — the counters ``stats()`` returns.
+- :mod:`~kvfabric._client.counter_names` — the counters ``stats()`` returns;
+- :mod:`~kvfabric._client.usage` — each call's duration, and the usage reports that carry
+  them and the key counts to the controller.
 
 The read contract: ``batched_contains``, ``batched_exists``, ``batched_get``,
 ``batched_get_scattered`` and ``locate`` never raise because a controller, a data node or a
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,12 +51,14 @@ from kvfabric._client.reads import Reads
 from kvfabric._client.record_io import RecordIO
 from kvfabric._client.topology import Topology
 from kvfabric._client.touches import TouchReporter
+from kvfabric._client.usage import GET, LOOKUP, PUT, CallTimes, UsageReporter
 from kvfabric._client.writes import Writes
 from kvfabric._node.node import DataNode
 from kvfabric._plugins import PluginManager
 from kvfabric._runtime import forks
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ControllerUnavailableError
+from kvfabric.spi.events import EngineBlock
 from kvfabric.spi.index import Index, IndexPlugin
 from kvfabric.urls import ClientOptions
 
@@ -85,6 +90,11 @@ class StoreParts:
     start: Callable[[], None] | None = None
     """Run once the store is assembled and has asked for its nodes (a shared index's
     upkeep, which compares the nodes with those the store learned)."""
+    report_usage: Callable[[dict[str, int]], bool] | None = None
+    """Sends one usage report to the controller (see :mod:`~kvfabric._client.usage`);
+    None where no one collects them."""
+    report_interval: float = 0.0
+    """Seconds between usage reports (0: only when the store closes)."""
 
     def discard(self) -> None:
         """Close what the opener made (the store could not be assembled)."""
@@ -135,6 +145,12 @@ class Store:
         self._records = records = parts.records
         self._on_close = list(parts.on_close)
         self._counters = counters = client_counters()
+        self._times = times = CallTimes()
+        self._usage = (
+            UsageReporter(parts.report_usage, counters, times, interval=parts.report_interval)
+            if parts.report_usage is not None
+            else None
+        )
         self._prefetch = prefetch = PrefetchCache(
             max_entries=options.prefetch_entries, ttl=options.prefetch_ttl
         )
@@ -151,6 +167,7 @@ class Store:
             touches=self._touches,
             observer=self._observer,
             max_value=options.max_value,
+            breaker=records.breaker,
         )
         self._reads = Reads(
             calls=calls, topology=topology, records=records, prefetch=prefetch, counters=counters
@@ -230,7 +247,10 @@ class Store:
         """
         if self._generation != forks.generation():
             self._after_fork()
-        return self._lookups.contains(keys)
+        started = time.perf_counter_ns()
+        found = self._lookups.contains(keys)
+        self._times.observe(LOOKUP, time.perf_counter_ns() - started)
+        return found
 
     def batched_exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is stored (for engines that probe non-contiguous keys).
@@ -240,7 +260,10 @@ class Store:
         """
         if self._generation != forks.generation():
             self._after_fork()
-        return self._lookups.exists(keys)
+        started = time.perf_counter_ns()
+        flags = self._lookups.exists(keys)
+        self._times.observe(LOOKUP, time.perf_counter_ns() - started)
+        return flags
 
     def locate(self, keys: Sequence[bytes]) -> list[Descriptor | None]:
         """Where each key's record lives, asked of the index now (one control round trip).
@@ -292,7 +315,10 @@ class Store:
         """
         if self._generation != forks.generation():
             self._after_fork()
-        return self._reads.get(keys, into)
+        started = time.perf_counter_ns()
+        values = self._reads.get(keys, into)
+        self._times.observe(GET, time.perf_counter_ns() - started)
+        return values
 
     def batched_get_scattered(
         self, keys: Sequence[bytes], into: Sequence[Sequence[Any]]
@@ -306,11 +332,20 @@ class Store:
         """
         if self._generation != forks.generation():
             self._after_fork()
-        return self._reads.get_scattered(keys, into)
+        started = time.perf_counter_ns()
+        landed = self._reads.get_scattered(keys, into)
+        self._times.observe(GET, time.perf_counter_ns() - started)
+        return landed
 
     # -- writes ------------------------------------------------------------------------
 
-    def batched_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[PutOutcome]:
+    def batched_put(
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        *,
+        blocks: Sequence[EngineBlock | None] | None = None,
+    ) -> list[PutOutcome]:
         """Store values under keys: the writes and one publish call, after one allocate
         call where the index places each key (where it leases extents and this client reads
         its lookup image, the records go into an extent this client holds instead).
@@ -321,10 +356,18 @@ class Store:
         while this one wrote; a controller or data-node failure makes ``FAILED`` outcomes,
         counted. Raises :class:`ValueTooLargeError` before doing anything if a value exceeds
         ``max_value``.
+
+        ``blocks``: what the tier's KV events should say of each key, one
+        :class:`~kvfabric.EngineBlock` (or None) per key: the block as the engine knows it
+        (its hash, its parent's, its tokens), so a router that tracks the engine's block
+        hashes matches the events; without one an event names the block by its key.
         """
         if self._generation != forks.generation():
             self._after_fork()
-        return self._writes.put(keys, values)
+        started = time.perf_counter_ns()
+        outcomes = self._writes.put(keys, values, blocks)
+        self._times.observe(PUT, time.perf_counter_ns() - started)
+        return outcomes
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove keys at once (new lookups miss); returns how many were stored.
@@ -392,6 +435,8 @@ class Store:
         self._observer.close()
         if self._carved is not None:
             self._carved.release()
+        if self._usage is not None:
+            self._usage.close()
         self._touches.close()
         self._topology.close()
         self._records.close()

@@ -135,6 +135,13 @@ class Topology:
         """The current image reader, as it is (no relocation)."""
         return self._image.reader
 
+    def expect_image_rewrites(self, rewrites: int) -> None:
+        """This client's publish rewrote ``rewrites`` of the image's buckets: a mirror reads
+        them with the next lookup's one read (:meth:`ImageReader.expect`)."""
+        reader = self._image.reader
+        if reader is not None and rewrites:
+            reader.expect(rewrites)
+
     def recheck_image(self) -> None:
         """Ask where the image is before the next lookup: one that cannot be read may have
         moved. Until the controller answers, the reader stays."""

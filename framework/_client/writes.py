@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any, TypeAlias
 
 from kvfabric._client.carved_writes import CarvedWrites
+from kvfabric._client.engine_blocks import Blocks, blocks_for, described
 from kvfabric._client.index_calls import IndexCalls
 from kvfabric._client.key_checks import check_keys
 from kvfabric._client.no_space_hint import NoSpaceHint
@@ -37,6 +38,7 @@ from kvfabric._client.topology import Topology
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ValueTooLargeError
 from kvfabric.spi.counters import Counters
+from kvfabric.spi.events import EngineBlock
 from kvfabric.spi.index import AllocationKind, AllocationRequest, GrantRef
 
 __all__ = ["PUT_ROUND_KEYS", "Writes"]
@@ -87,11 +89,17 @@ class Writes:
         self._carved = carved
         self._no_space_hint = NoSpaceHint(calls)
 
-    def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[PutOutcome]:
+    def put(
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        blocks: Sequence[EngineBlock | None] | None = None,
+    ) -> list[PutOutcome]:
         """``Store.batched_put``."""
         check_keys(keys)
         if len(values) != len(keys):
             raise ValueError(f"{len(values)} values for {len(keys)} keys")
+        by_key = described(keys, blocks)
         if not keys:
             return []
         pieces = [value_pieces(v) for v in values]
@@ -104,7 +112,7 @@ class Writes:
                 )
         self._prefetch.drop(keys)
         self._counters.add("puts")
-        outcomes = self._rounds(keys, pieces, lengths)
+        outcomes = self._rounds(keys, pieces, lengths, by_key)
         # The controller lets one client hold only so much reserved at once: a put larger
         # than that gets NO_SPACE for what did not fit while the rest was stored. What was
         # stored is published now, its reservation released: store the rest in further
@@ -116,7 +124,10 @@ class Writes:
             if not left:
                 break
             again = self._rounds(
-                [keys[i] for i in left], [pieces[i] for i in left], [lengths[i] for i in left]
+                [keys[i] for i in left],
+                [pieces[i] for i in left],
+                [lengths[i] for i in left],
+                by_key,
             )
             progress = PutOutcome.STORED in again
             # Counted once, as what they finally are: the pass counted the ones still left.
@@ -128,24 +139,34 @@ class Writes:
         return outcomes
 
     def _rounds(
-        self, keys: Sequence[bytes], pieces: Sequence[list[memoryview]], lengths: Sequence[int]
+        self,
+        keys: Sequence[bytes],
+        pieces: Sequence[list[memoryview]],
+        lengths: Sequence[int],
+        blocks: Blocks,
     ) -> list[PutOutcome]:
         if len(keys) <= PUT_ROUND_KEYS:
-            return self._put_round(keys, pieces, lengths)
+            return self._put_round(keys, pieces, lengths, blocks)
         outcomes: list[PutOutcome] = []
         for start in range(0, len(keys), PUT_ROUND_KEYS):
             end = start + PUT_ROUND_KEYS
-            outcomes += self._put_round(keys[start:end], pieces[start:end], lengths[start:end])
+            outcomes += self._put_round(
+                keys[start:end], pieces[start:end], lengths[start:end], blocks
+            )
         return outcomes
 
     def _put_round(
-        self, keys: Sequence[bytes], pieces: Sequence[list[memoryview]], lengths: Sequence[int]
+        self,
+        keys: Sequence[bytes],
+        pieces: Sequence[list[memoryview]],
+        lengths: Sequence[int],
+        blocks: Blocks,
     ) -> list[PutOutcome]:
         if self._carved is not None:
-            carved = self._carved.put(keys, pieces, lengths)
+            carved = self._carved.put(keys, pieces, lengths, blocks)
             if carved is not None:
                 return carved
-        return self._put_allocated(keys, pieces, lengths)
+        return self._put_allocated(keys, pieces, lengths, blocks)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """``Store.delete``."""
@@ -161,7 +182,11 @@ class Writes:
         return removed
 
     def _put_allocated(
-        self, keys: Sequence[bytes], pieces: Sequence[list[memoryview]], lengths: Sequence[int]
+        self,
+        keys: Sequence[bytes],
+        pieces: Sequence[list[memoryview]],
+        lengths: Sequence[int],
+        blocks: Blocks,
     ) -> list[PutOutcome]:
         """The put where the index places each key: allocate, write, publish."""
         requests = [AllocationRequest(key=k, length=n) for k, n in zip(keys, lengths, strict=True)]
@@ -170,6 +195,8 @@ class Writes:
         if result is None:
             self._counters.add("put_failures", len(keys))
             return [PutOutcome.FAILED] * len(keys)
+        # Each entry evicted to make room is a bucket of the image rewritten (emptied).
+        self._topology.expect_image_rewrites(result.evictions)
         outcomes: list[PutOutcome] = []
         # Every copy to write, as (key position, grant): a key's first copy first, then
         # its replicas; for a stored key, the copies granted to repair it.
@@ -190,7 +217,7 @@ class Writes:
             self._counters.add("late_writes_avoided", len(granted))
             failed = list(granted)
         else:
-            written, failed, unknown, published = self._write(granted, pieces)
+            written, failed, unknown, published = self._write(granted, pieces, blocks)
         failed_keys = {
             i for i, _ in granted if outcomes[i] is PutOutcome.STORED and i not in published
         }
@@ -220,7 +247,9 @@ class Writes:
         )
         return outcomes
 
-    def _write(self, granted: list[Copy], pieces: Sequence[list[memoryview]]) -> _Written:
+    def _write(
+        self, granted: list[Copy], pieces: Sequence[list[memoryview]], blocks: Blocks
+    ) -> _Written:
         """Write the granted copies and publish those that landed: returns the copies
         written, the copies not published (write or publish failed), those whose publish
         the index could not tell of (held still: their records may be wiped) and the
@@ -229,7 +258,11 @@ class Writes:
             return [], [], [], set()
         self._topology.learn({d.node for _, d in granted})
         report = self._records.write([d for _, d in granted], [pieces[i] for i, _ in granted])
-        self._counters.add("transport_failures", report.failed_nodes)
+        self._counters.update(
+            transport_failures=report.failed_nodes,
+            backoff_skips=report.skipped,
+            nodes_backed_off=report.backed_off,
+        )
         if report.failed_nodes or any(crc is None for crc in report.crcs):
             self._topology.relearn_after_failure()
         written = [(g, crc) for g, crc in zip(granted, report.crcs, strict=True) if crc is not None]
@@ -237,10 +270,17 @@ class Writes:
         published: set[int] = set()
         unknown: list[Copy] = []
         if written:
-            told = self._calls.publish(
-                self._index.publish, [GrantRef.of(d, crc) for (_, d), crc in written]
+            grants = [GrantRef.of(d, crc) for (_, d), crc in written]
+            mine = blocks_for([g.key for g in grants], blocks) if blocks else None
+            told = (
+                self._calls.publish(self._index.publish_described, grants, mine)
+                if mine
+                else self._calls.publish(self._index.publish, grants)
             )
             flags = told.values if told is not None else [False] * len(written)
+            # Each copy published is one bucket of the image rewritten (its key's or an
+            # alternate key's).
+            self._topology.expect_image_rewrites(flags.count(True))
             for (g, _), flag in zip(written, flags, strict=True):
                 if flag:
                     published.add(g[0])

@@ -19,6 +19,7 @@ from kvfabric._control.reservations import Reservations
 from kvfabric._runtime.codec import Reader, Writer
 from kvfabric._wire import protocol as p
 from kvfabric._wire.protocol import MsgType
+from kvfabric.spi.events import EngineBlock
 from kvfabric.spi.index import Allocation, AllocationKind, GrantRef, IndexPlugin
 
 __all__ = ["CLIENT_TYPES", "ClientRequests"]
@@ -45,9 +46,17 @@ class ClientRequests:
     """The handlers of clients' requests against one index (``handlers``, by type)."""
 
     def __init__(
-        self, index: IndexPlugin, image: ImagePublisher, reservations: Reservations
+        self,
+        index: IndexPlugin,
+        image: ImagePublisher,
+        reservations: Reservations,
+        *,
+        kv_events: bool = False,
     ) -> None:
-        """``reservations``: what each client holds reserved, and its bound."""
+        """``reservations``: what each client holds reserved, and its bound. ``kv_events``:
+        the index reports KV events, so what writers say of their keys is read and passed
+        on (else it is skipped unread)."""
+        self._kv_events = kv_events
         self._index = index
         self._image = image
         self._reservations = reservations
@@ -104,9 +113,11 @@ class ClientRequests:
 
     def _publish(self, r: Reader) -> Callable[[], bytes]:
         grants = p.read_grants(r)
+        blocks = self._blocks(r)
 
         def apply() -> bytes:
-            flags = self._index.publish(grants)
+            index = self._index
+            flags = index.publish_described(grants, blocks) if blocks else index.publish(grants)
             self._reservations.published(grants, flags)
             return p.write_flags(flags)
 
@@ -137,7 +148,28 @@ class ClientRequests:
 
     def _publish_carved(self, r: Reader) -> Callable[[], bytes]:
         records, again = p.read_carved(r)
-        return lambda: p.write_carve_outcomes(self._index.publish_carved(records, again))
+        blocks = self._blocks(r)
+
+        def apply() -> bytes:
+            index = self._index
+            outcomes = (
+                index.publish_carved_described(records, again, blocks)
+                if blocks
+                else index.publish_carved(records, again)
+            )
+            return p.write_carve_outcomes(outcomes)
+
+        return apply
+
+    def _blocks(self, r: Reader) -> dict[bytes, EngineBlock] | None:
+        """What the writer said of its keys for the KV events, if it said anything; read
+        only where the index reports events (else skipped: nothing would use it)."""
+        if not r.remaining:
+            return None
+        if not self._kv_events:
+            r.raw(r.remaining)
+            return None
+        return p.read_blocks(r)
 
     def _abort(self, r: Reader) -> Callable[[], bytes]:
         grants = p.read_grants(r)

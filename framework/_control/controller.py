@@ -21,6 +21,16 @@ is disconnected, nothing is allocated for it), and each connection may have at m
 one connection can hold at most ``RECEIVE_QUEUE x max_frame`` bytes of it. Clients send
 large requests as chunks far below the bound (:mod:`kvfabric._control.session`). What each
 client may hold *reserved* in the index is bounded too (:mod:`kvfabric._control.reservations`).
+
+Given a KV event publisher (``--kv-events``: :mod:`kvfabric._control.kv_events`), the
+controller has its index report every entry stored and removed to it. A controller starts
+with an empty index, whatever one before it held, so the first event it publishes is
+``AllBlocksCleared``: a router drops what it learnt from the controller's predecessor, and
+the stores that follow (the nodes' records restored, new puts) build its view afresh.
+
+With tenants (:mod:`kvfabric._control.tenant_gate`), the credential each frame's connection
+proved decides which handlers serve it: a tenant's reach only its own namespace, within its
+quota.
 """
 
 from __future__ import annotations
@@ -38,15 +48,18 @@ import zmq
 
 from kvfabric._control.auth_monitor import RefusalMonitor
 from kvfabric._control.client_requests import CLIENT_TYPES, ClientRequests
+from kvfabric._control.client_usage import ClientUsage
 from kvfabric._control.image_publisher import ImagePublisher
+from kvfabric._control.kv_events import KvEventPublisher
 from kvfabric._control.node_members import NodeMembers
 from kvfabric._control.refusal import Handler, Refusal
 from kvfabric._control.reservations import ReservationLimits, Reservations
 from kvfabric._control.security import Credentials
+from kvfabric._control.tenant_gate import TenantGate
 from kvfabric._runtime.codec import Reader, Writer
 from kvfabric._wire import protocol as p
 from kvfabric._wire.protocol import REPLY_BIT, ErrorCode, MsgType
-from kvfabric.errors import ProtocolError
+from kvfabric.errors import ConfigError, ProtocolError
 from kvfabric.spi.index import IndexPlugin
 from kvfabric.spi.transport import TransportServer
 
@@ -81,13 +94,24 @@ class Controller:
         freeze_long_lived: bool = False,
         max_frame: int = MAX_FRAME,
         reservation_limits: ReservationLimits | None = None,
+        kv_events: KvEventPublisher | None = None,
+        tenants: TenantGate | None = None,
     ) -> None:
         """``image_servers``: transport servers (by name) to serve the index's lookup image
         on; none: clients look everything up by RPC. ``freeze_long_lived``: every tick,
         exempt what outlived the young generations from later full collections (for a
         process of the controller's own; see :meth:`_freeze_gc`). ``max_frame``: the
         largest frame taken, in bytes. ``reservation_limits``: what one client may hold
-        reserved (default: :class:`ReservationLimits`'s)."""
+        reserved (default: :class:`ReservationLimits`'s). ``kv_events``: where the index's
+        changes are published (the controller starts its thread, and closes it when it
+        stops serving); a ConfigError if the index reports none. ``tenants``: the tenants
+        served beside the deployment's own clients (needs ``credentials``: a tenant is known
+        by the key its connection proved)."""
+        if tenants is not None and credentials is None:
+            raise ConfigError(
+                "--tenants needs the deployment's secret (--secret-file or KVFABRIC_SECRET): "
+                "a tenant is known by the credential its connection proves"
+            )
         self.listen = listen
         self.index = index
         self.tick = tick
@@ -107,18 +131,39 @@ class Controller:
         while ticks succeed. Read by the readiness check."""
         self._freeze_long_lived = freeze_long_lived
         self._image = ImagePublisher(index, image_servers or {})
-        self._nodes = NodeMembers(index, node_timeout, self._counters)
+        self._tenants = tenants
+        self._nodes = NodeMembers(
+            tenants.observe_restores(index) if tenants is not None else index,
+            node_timeout,
+            self._counters,
+        )
         self.max_frame = max_frame
         self._capacity = (-1, 0)
         """(nodes generation, capacity in bytes) as last summed."""
         self._reservations = Reservations(
             reservation_limits or ReservationLimits(), self._capacity_now, self._counters
         )
+        self._kv_events = kv_events
+        if kv_events is not None:
+            # Whatever a controller before this one published is not held here: routers
+            # start their view afresh, before the first store.
+            kv_events.queue.cleared()
+            if not index.report_events(kv_events.queue):
+                raise ConfigError(
+                    f"--kv-events: the {index.name} index reports no KV events (the memory "
+                    "index does; see docs/kv-events.md)"
+                )
+        self._usage = ClientUsage()
         self._handlers: dict[int, Handler] = {
-            **ClientRequests(index, self._image, self._reservations).handlers,
+            **ClientRequests(
+                index, self._image, self._reservations, kv_events=kv_events is not None
+            ).handlers,
             **self._nodes.handlers,
+            **self._usage.handlers,
             MsgType.STATS: self._stats,
         }
+        if tenants is not None:
+            tenants.bind(index, self._image, self._reservations)
 
     @property
     def node_timeout(self) -> float:
@@ -131,6 +176,11 @@ class Controller:
             total = sum(r.size for node in self.index.nodes() for r in node.regions)
             self._capacity = (generation, total)
         return self._capacity[1]
+
+    @property
+    def kv_events(self) -> KvEventPublisher | None:
+        """Where the index's KV events are published, if they are."""
+        return self._kv_events
 
     @property
     def image(self) -> p.ImageLocation | None:
@@ -159,6 +209,8 @@ class Controller:
             sock.bind(self.listen)
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._image.publish()
+            if self._kv_events is not None:
+                self._kv_events.start()
             log.info("controller listening on %s (epoch %x)", self.endpoint, self.epoch)
             if ready is not None:
                 ready(self.endpoint)
@@ -171,6 +223,8 @@ class Controller:
             if authenticator is not None:
                 authenticator.stop()
             context.term()
+            if self._kv_events is not None:
+                self._kv_events.close()
 
     def _loop(self, sock: zmq.Socket[bytes]) -> None:
         # A plain poll loop, not asyncio: an asyncio ROUTER adds its own scheduling to every
@@ -182,8 +236,12 @@ class Controller:
             # a flags check), then poll again.
             if sock.poll(timeout, zmq.POLLIN):
                 while int(sock.getsockopt(zmq.EVENTS)) & _POLLIN:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                    reply = self._reply_to(frames)
+                    if self._tenants is None:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                        reply = self._reply_to(frames)
+                    else:
+                        frames, handlers = self._tenants.receive(sock)
+                        reply = self._reply_to(frames, handlers)
                     if reply is not None:
                         sock.send_multipart([frames[0], reply])
                 # Every request answered: upkeep the replies need not wait for (a full
@@ -197,11 +255,13 @@ class Controller:
         from zmq.auth.thread import ThreadAuthenticator
 
         assert self._credentials is not None
-        allowed = self._credentials.client_public
+        allowed = {self._credentials.client_public}
+        if self._tenants is not None:
+            allowed |= self._tenants.client_keys()
 
         class _SharedSecret:
             def callback(self, domain: str, key: bytes) -> bool:
-                return key == allowed
+                return key in allowed
 
         authenticator = ThreadAuthenticator(context)
         authenticator.start()
@@ -211,7 +271,10 @@ class Controller:
     def stop(self) -> None:
         self._stopping.set()
 
-    def _reply_to(self, frames: list[bytes]) -> bytes | None:
+    def _reply_to(
+        self, frames: list[bytes], handlers: dict[int, Handler] | None = None
+    ) -> bytes | None:
+        """The reply to one message; ``handlers``: a tenant's (default: all of them)."""
         if len(frames) != 2:
             # A DEALER sends one frame; ROUTER adds the identity. Anything else is not ours,
             # and without a well-formed envelope there is no one to answer.
@@ -222,7 +285,7 @@ class Controller:
         try:
             header, reader = p.decode_header(frame)
             request_id = header.request_id
-            handler = self._handlers.get(header.type)
+            handler = (handlers or self._handlers).get(header.type)
             if handler is None:
                 raise Refusal(ErrorCode.UNKNOWN_TYPE, f"unknown message type {header.type}")
             apply = handler(reader)
@@ -290,6 +353,12 @@ class Controller:
             self._freeze_gc()
         self._image.revive()
         self._nodes.drop_silent()
+        if self._tenants is not None:
+            self._upkeep(self._tenants_tick, "tenants")
+
+    def _tenants_tick(self) -> None:
+        assert self._tenants is not None
+        self._tenants.tick(self._nodes.generation)
 
     @staticmethod
     def _freeze_gc() -> None:
@@ -317,6 +386,7 @@ class Controller:
             "rpcs": 0,
             "node_rpcs": 0,
             "touch_rpcs": 0,
+            "usage_rpcs": 0,
             "image_endpoints": len(self.image.endpoints) if self.image else 0,
             "bad_frames": 0,
             "refused": 0,
@@ -329,11 +399,18 @@ class Controller:
             **({"gc_frozen_objects": gc.get_freeze_count()} if self._freeze_long_lived else {}),
             # The work the image's servers did (in ``serve``, the node's servers: all of it).
             **self._image.server_stats(),
+            **(self._kv_events.stats() if self._kv_events is not None else {}),
         }
         if self._image.restarts:
             controller["image_server_restarts"] = self._image.restarts
-        scopes = {"controller": controller, "index": self.index.stats()}
+        scopes = {
+            "controller": controller,
+            "index": self.index.stats(),
+            "clients": self._usage.stats(),
+        }
         scopes.update(self._nodes.stats_scopes())
+        if self._tenants is not None:
+            scopes.update(self._tenants.stats_scopes())
         w = Writer().u32(len(scopes))
         for scope, counters in scopes.items():
             w.text(scope)
@@ -343,9 +420,12 @@ class Controller:
 
 def _kind_of(msg_type: int) -> str:
     """Which counter a request adds to: clients' lookups and writes ("rpcs"), clients' use
-    reports sent off the lookup path ("touch_rpcs"), or data nodes' requests."""
+    and usage reports sent off the lookup path ("touch_rpcs", "usage_rpcs"), or data nodes'
+    requests."""
     if msg_type in CLIENT_TYPES:
         return "rpcs"
+    if msg_type == MsgType.USAGE:
+        return "usage_rpcs"
     return "touch_rpcs" if msg_type == MsgType.TOUCH else "node_rpcs"
 
 

@@ -103,40 +103,41 @@ class HandshakeProbe:
             self._note(int(event["event"]), int(event["value"]))
 
     def _note(self, kind: int, value: int) -> None:
-        where = f"the controller at {self.endpoint}"
         if kind == zmq.EVENT_CONNECTED:
             self._connected = True
         elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._handshake_ok = True
-        elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and (
-            value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
-        ):
-            if self._secured:
-                self.refusal = (
-                    f"{where} has no secret but this client has one: give both the same "
-                    f"secret, or neither ({_SECRET_HOW})"
-                )
-            else:
-                self.refusal = (
-                    f"{where} requires a secret and this client has none: give it the "
-                    f"controller's secret ({_SECRET_HOW})"
-                )
         elif kind & _HANDSHAKE_FAILED:
-            if not self._secured:
-                self.refusal = f"{where} refused the connection's handshake"
-            elif _server_mechanism(self.endpoint) == b"NULL":
-                # The controller hung up on the greeting before this side read it.
-                self.refusal = (
-                    f"{where} has no secret but this client has one: give both the same "
-                    f"secret, or neither ({_SECRET_HOW})"
-                )
-            else:
-                self.refusal = (
-                    f"{where} refused this client's secret (they differ): give it the "
-                    f"controller's secret ({_SECRET_HOW})"
-                )
+            mechanism: bytes | None = b"NULL" if self._secured else b"CURVE"
+            if kind != zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL or (
+                value != zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+            ):
+                # No detail (the controller hung up before this side read its greeting):
+                # the greeting itself says whether the controller has a secret.
+                mechanism = _server_mechanism(self.endpoint)
+            self.refusal = self._refusal(mechanism)
         elif kind & (zmq.EVENT_CLOSED | zmq.EVENT_CONNECT_RETRIED) and not self._connected:
             self._refused_connection = True
+
+    def _refusal(self, mechanism: bytes | None) -> str:
+        """What to change, given the controller's security mechanism (None: unknown)."""
+        where = f"the controller at {self.endpoint}"
+        if self._secured and mechanism == b"NULL":
+            return (
+                f"{where} has no secret but this client has one: give both the same "
+                f"secret, or neither ({_SECRET_HOW})"
+            )
+        if not self._secured and mechanism == b"CURVE":
+            return (
+                f"{where} requires a secret and this client has none: give it the "
+                f"controller's secret ({_SECRET_HOW})"
+            )
+        if self._secured:
+            return (
+                f"{where} refused this client's secret (they differ): give it the "
+                f"controller's secret ({_SECRET_HOW})"
+            )
+        return f"{where} refused the connection's handshake"
 
     def finding(self) -> str:
         """What was seen, for a call that got no connection in time."""

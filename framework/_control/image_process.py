@@ -10,7 +10,8 @@ lookup, and a write sent to the image is refused (the mapping is read-only).
 The child lives as long as the controller: it serves until its stdin closes (the
 controller closed it, or died, kill -9 included) and ignores SIGINT (a Ctrl-C at the
 controller's terminal is the controller's to handle). A child that died is started again
-by :meth:`ImageProcessServer.revive` (the controller's loop calls it every tick); clients
+by :meth:`ImageProcessServer.revive` (the controller's loop calls it every tick, and it
+never waits for the new child to start, so the loop keeps answering meanwhile); clients
 reading the old address fall back to the control RPC and ask where the image went.
 
 The pipe is private to the two processes (the controller's own child, on its stdin and
@@ -46,6 +47,8 @@ log = logging.getLogger(__name__)
 # Starting the child imports kvfabric and the transport, which a loaded host may take
 # seconds over.
 _START_TIMEOUT = 30.0
+# After a start that failed, the next try waits this long (each tick would be a busy loop).
+_RETRY_AFTER = 1.0
 _STATS_TIMEOUT = 1.0
 _STOP_TIMEOUT = 2.0
 _STATS = b"stats\n"
@@ -84,6 +87,9 @@ class ImageProcessServer(TransportServer):
         self._handle: RegionHandle | None = None
         self._address = b""
         self._closed = False
+        self._starting: tuple[subprocess.Popen[bytes], float] | None = None
+        """A child :meth:`revive` started and has not heard from yet, and its deadline."""
+        self._retry_at = 0.0
         self.restarts = 0
 
     @property
@@ -111,29 +117,66 @@ class ImageProcessServer(TransportServer):
             return self._start()
 
     def revive(self) -> bool:
-        """Start the child again if it died; True when it was (its address may differ)."""
+        """Start the child again if it died; True once a new one serves (its address may
+        differ).
+
+        Called every tick of the controller's loop, so it never waits for the child: a
+        child takes a second or more to start on a loaded host, and a loop held that long
+        would answer no client meanwhile. It starts one, and a later call adopts it once it
+        has said where it serves (or gives up on it at its deadline and tries again).
+        """
         with self._lock:
+            if self._closed or self._request is None:
+                return False
+            if self._starting is not None:
+                return self._adopt_started()
             child = self._child
-            if self._closed or self._request is None or child is None:
+            if child is not None:
+                code = child.poll()
+                if code is None:
+                    return False
+                log.warning(
+                    "the lookup image's %s server (pid %d) exited with %s: starting it again",
+                    self.transport,
+                    child.pid,
+                    code,
+                )
+                _reap(child)
+                self._child = None
+            elif time.monotonic() < self._retry_at:
                 return False
-            code = child.poll()
-            if code is None:
-                return False
-            log.warning(
-                "the lookup image's %s server (pid %d) exited with %s: starting it again",
-                self.transport,
-                child.pid,
-                code,
-            )
-            _reap(child)
-            self._child = None
             try:
-                self._start()
+                self._starting = (self._spawn(), time.monotonic() + _START_TIMEOUT)
             except TransportError as exc:
-                log.warning("the lookup image's %s server did not start: %s", self.transport, exc)
+                self._failed_start(str(exc))
                 return False
-            self.restarts += 1
-            return True
+            return self._adopt_started()
+
+    def _adopt_started(self) -> bool:
+        """The starting child, if it has answered: True when it serves now."""
+        assert self._starting is not None
+        child, deadline = self._starting
+        assert child.stdout is not None
+        if not select.select([child.stdout], [], [], 0)[0]:
+            if child.poll() is None and time.monotonic() < deadline:
+                return False  # still starting
+            self._starting = None
+            _stop(child)
+            self._failed_start("its process did not answer in time or exited")
+            return False
+        self._starting = None
+        try:
+            self._adopt(child, pickle.load(child.stdout))
+        except (OSError, EOFError, pickle.UnpicklingError, TransportError) as exc:
+            _stop(child)
+            self._failed_start(str(exc) or type(exc).__name__)
+            return False
+        self.restarts += 1
+        return True
+
+    def _failed_start(self, why: str) -> None:
+        log.warning("the lookup image's %s server did not start: %s", self.transport, why)
+        self._retry_at = time.monotonic() + _RETRY_AFTER
 
     def stats(self) -> dict[str, int]:
         """The child's transport counters (none while it is down), and its restarts."""
@@ -153,30 +196,53 @@ class ImageProcessServer(TransportServer):
         with self._lock:
             self._closed = True
             child, self._child = self._child, None
-        if child is not None:
-            _stop(child)
+            starting, self._starting = self._starting, None
+        for process in (child, starting[0] if starting is not None else None):
+            if process is not None:
+                _stop(process)
 
     # -- the child ------------------------------------------------------------------------
 
     def _start(self) -> RegionHandle:
-        assert self._request is not None
-        child = subprocess.Popen(
-            [sys.executable, "-m", "kvfabric._control.image_process"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            close_fds=True,
-        )
+        """Start the child and wait until it serves (at the controller's start)."""
+        child = self._spawn()
         try:
-            assert child.stdin is not None
             assert child.stdout is not None
-            child.stdin.write(pickle.dumps(self._request))
-            child.stdin.flush()
             started = _read_message(child.stdout, time.monotonic() + _START_TIMEOUT)
         except (OSError, EOFError, pickle.UnpicklingError, TimeoutError) as exc:
             _stop(child)
             raise TransportError(
                 f"{self.transport}: the lookup image's server process did not start ({exc})"
             ) from exc
+        return self._adopt(child, started)
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        """A child process, handed what it serves; it answers when it serves."""
+        assert self._request is not None
+        try:
+            child = subprocess.Popen(
+                [sys.executable, "-m", "kvfabric._control.image_process"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                close_fds=True,
+            )
+        except OSError as exc:
+            raise TransportError(
+                f"{self.transport}: the lookup image's server process did not start ({exc})"
+            ) from exc
+        try:
+            assert child.stdin is not None
+            child.stdin.write(pickle.dumps(self._request))
+            child.stdin.flush()
+        except OSError as exc:
+            _stop(child)
+            raise TransportError(
+                f"{self.transport}: the lookup image's server process did not start ({exc})"
+            ) from exc
+        return child
+
+    def _adopt(self, child: subprocess.Popen[bytes], started: object) -> RegionHandle:
+        """Serve through ``child``, which answered ``started``."""
         if not isinstance(started, _Started) or started.handle is None:
             _stop(child)
             why = started.error if isinstance(started, _Started) else "an unexpected reply"

@@ -8,7 +8,7 @@ writes, whose outcomes must be known, are :mod:`kvfabric._control.remote_writes`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from kvfabric._control.client import ControlClient, ControllerRefusedError
@@ -17,9 +17,11 @@ from kvfabric._control.session import CHUNK_BYTES, CHUNK_KEYS, allowance, chunks
 from kvfabric._runtime.codec import Reader
 from kvfabric._wire import protocol as p
 from kvfabric._wire.protocol import ErrorCode, ImageLocation, MsgType
+from kvfabric._wire.usage import write_usage
 from kvfabric.descriptor import Descriptor, PackedDescriptors
 from kvfabric.errors import ControllerUnavailableError
 from kvfabric.keys import KEY_SIZE
+from kvfabric.spi.events import EngineBlock
 from kvfabric.spi.index import (
     AllocateResult,
     AllocationRequest,
@@ -117,6 +119,12 @@ class RemoteIndex(Index):
         raises :class:`~kvfabric._control.remote_writes.OutcomeUnknownError`."""
         return self._writes.publish(grants)
 
+    def publish_described(
+        self, grants: Sequence[GrantRef], blocks: Mapping[bytes, EngineBlock]
+    ) -> list[bool]:
+        """:meth:`publish`, the blocks sent with their grants for the controller's events."""
+        return self._writes.publish(grants, blocks)
+
     def lease_extents(
         self,
         need: int,
@@ -132,6 +140,14 @@ class RemoteIndex(Index):
     ) -> list[CarveOutcome]:
         """As :meth:`publish`, for records laid into extents."""
         return self._writes.publish_carved(records, again)
+
+    def publish_carved_described(
+        self,
+        records: Sequence[CarvedRecord],
+        again: Sequence[bytes],
+        blocks: Mapping[bytes, EngineBlock],
+    ) -> list[CarveOutcome]:
+        return self._writes.publish_carved(records, again, blocks)
 
     def abort(self, grants: Sequence[GrantRef]) -> None:
         self._writes.abort(grants)
@@ -149,6 +165,18 @@ class RemoteIndex(Index):
 
     def touch(self, keys: Sequence[bytes]) -> None:
         self._ask(MsgType.TOUCH, keys, KEY_SIZE, p.write_keys, _nothing)
+
+    def report_usage(self, usage: dict[str, int]) -> bool:
+        """Send one usage report (:mod:`kvfabric._wire.usage`); False if the controller
+        takes none (it predates them)."""
+        try:
+            r = self.client.call(MsgType.USAGE, write_usage(usage))
+        except ControllerRefusedError as exc:
+            if exc.code == ErrorCode.UNKNOWN_TYPE:
+                return False
+            raise
+        r.end()
+        return True
 
     def image_location(self) -> ImageLocation | None:
         """Where the controller serves its index's lookup image; None if it serves none

@@ -27,7 +27,7 @@ the rest None, and the writer treats those as not stored (see
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvfabric._control.client import ControlClient
@@ -39,6 +39,7 @@ from kvfabric._wire.protocol import MsgType
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import ControllerUnavailableError, ProtocolError, RemoteError
 from kvfabric.keys import KEY_SIZE
+from kvfabric.spi.events import EngineBlock
 from kvfabric.spi.index import (
     AllocateResult,
     Allocation,
@@ -130,9 +131,20 @@ class RemoteWrites:
 
     # -- publish and abort -------------------------------------------------------------
 
-    def publish(self, grants: Sequence[GrantRef]) -> list[bool]:
-        ranges = chunks(len(grants), p.GRANT_SIZE)
-        bodies = [p.write_grants(grants[c.start : c.stop]) for c in ranges]
+    def publish(
+        self, grants: Sequence[GrantRef], blocks: Mapping[bytes, EngineBlock] | None = None
+    ) -> list[bool]:
+        """``blocks``: what the events should say of some keys, sent with their grants."""
+        if blocks:
+            encoded = _encode_blocks(blocks)
+            ranges = chunks(len(grants), p.GRANT_SIZE + max(map(len, encoded.values())))
+            bodies = [
+                p.write_grants(part) + _blocks_of((g.key for g in part), encoded)
+                for part in (grants[c.start : c.stop] for c in ranges)
+            ]
+        else:
+            ranges = chunks(len(grants), p.GRANT_SIZE)
+            bodies = [p.write_grants(grants[c.start : c.stop]) for c in ranges]
         published: list[bool | None] = [None] * len(grants)
         with self.client.session() as session:
             replies = session.exchange(MsgType.PUBLISH, bodies, items=len(grants))
@@ -186,12 +198,28 @@ class RemoteWrites:
         return extents
 
     def publish_carved(
-        self, records: Sequence[CarvedRecord], again: Sequence[bytes]
+        self,
+        records: Sequence[CarvedRecord],
+        again: Sequence[bytes],
+        blocks: Mapping[bytes, EngineBlock] | None = None,
     ) -> list[CarveOutcome]:
         # The records in order (an extent's are published in the order they lie), then the
-        # keys found stored again, in chunks of their own.
-        ranges = chunks(len(records), p.CARVED_SIZE) if records else []
-        bodies = [p.write_carved(records[c.start : c.stop], ()) for c in ranges]
+        # keys found stored again, in chunks of their own; each record's block, if it has
+        # one, in its chunk.
+        if blocks:
+            encoded = _encode_blocks(blocks)
+            ranges = (
+                chunks(len(records), p.CARVED_SIZE + max(map(len, encoded.values())))
+                if records
+                else []
+            )
+            bodies = [
+                p.write_carved(part, ()) + _blocks_of((r.key for r in part), encoded)
+                for part in (records[c.start : c.stop] for c in ranges)
+            ]
+        else:
+            ranges = chunks(len(records), p.CARVED_SIZE) if records else []
+            bodies = [p.write_carved(records[c.start : c.stop], ()) for c in ranges]
         if again:
             bodies += [
                 p.write_carved((), again[c.start : c.stop]) for c in chunks(len(again), KEY_SIZE)
@@ -254,6 +282,17 @@ class RemoteWrites:
                 stored = records[i].version in copy_versions
                 outcomes[i] = CarveOutcome.STORED if stored else CarveOutcome.REFUSED
         return True
+
+
+def _encode_blocks(blocks: Mapping[bytes, EngineBlock]) -> dict[bytes, bytes]:
+    """Each key's block in its wire form, once (a chunk takes those of its keys)."""
+    return {key: p.encode_block(key, block) for key, block in blocks.items()}
+
+
+def _blocks_of(keys: Iterable[bytes], encoded: Mapping[bytes, bytes]) -> bytes:
+    """The blocks section of one chunk: its keys' blocks (each once), or nothing."""
+    mine = [encoded[key] for key in dict.fromkeys(keys) if key in encoded]
+    return p.write_blocks(mine) if mine else b""
 
 
 def _granted(allocation: Allocation) -> tuple[Descriptor, ...]:

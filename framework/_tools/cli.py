@@ -247,7 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
         "controller and node processes) next to memcpy, a raw socket, Redis and, where "
         "their venv is given, Mooncake Store and InfiniStore; print tables of medians and "
         "ratios, and the targets kvfabric is held to, each marked met or not. The Redis rows "
-        "need redis-py ('kvfabric[bench]') and redis-server on PATH.",
+        "need redis-py ('kvfabric[bench]') and redis-server on PATH. 'kvfabric bench "
+        "serving ...' runs the serving benchmark instead (vLLM engines, time to first "
+        "token; from a clone: docs/serving-benchmark.md); 'kvfabric bench serving --help' "
+        "lists its options.",
         formatter_class=HelpFormatter,
     )
     add_bench_arguments(bench)
@@ -304,8 +307,18 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:2] == ["bench", "serving"]:
+        # The serving benchmark's options are its script's own; handed over untouched.
+        from kvfabric._tools.bench_serving import run_serving_bench
+
+        try:
+            return run_serving_bench(given[2:])
+        except KvfabricError as exc:
+            print(f"kvfabric: error: {exc}", file=sys.stderr)
+            return 2
     try:
-        args = _parse(argv)
+        args = _parse(given)
     except KvfabricError as exc:
         print(f"kvfabric: error: {exc}", file=sys.stderr)
         return 2

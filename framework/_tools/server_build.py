@@ -17,9 +17,12 @@ import attrs
 from kvfabric._client.shared_index import check_shared
 from kvfabric._control.controller import Controller
 from kvfabric._control.image_process import ImageProcessServer
+from kvfabric._control.kv_events import KvEventPublisher
 from kvfabric._control.reservations import ReservationLimits
 from kvfabric._control.security import Credentials, load_secret
 from kvfabric._control.session import CHUNK_BYTES
+from kvfabric._control.tenant_config import TenantSpec, load_tenants
+from kvfabric._control.tenant_gate import TenantGate
 from kvfabric._node.capacity import check_capacity
 from kvfabric._node.membership import ControllerMembership, IndexMembership, Membership
 from kvfabric._node.node import DataNode
@@ -43,11 +46,13 @@ __all__ = [
     "image_servers_from",
     "index_from",
     "index_from_options",
+    "kv_events_from",
     "max_frame_from",
     "membership_from",
     "node_from",
     "plugin_settings",
     "reservation_limits_from",
+    "tenants_from",
 ]
 
 MIN_FRAME = 1 << 20
@@ -84,6 +89,12 @@ def credentials_from(args: argparse.Namespace) -> Credentials | None:
     """``--secret-file`` (else ``$KVFABRIC_SECRET``) as credentials, or None: unsecured."""
     secret = load_secret(args.secret_file)
     return Credentials.from_secret(secret) if secret else None
+
+
+def tenants_from(args: argparse.Namespace) -> list[TenantSpec] | None:
+    """``--tenants FILE``, read and checked (None: no tenants)."""
+    path = getattr(args, "tenants", None)
+    return load_tenants(path) if path else None
 
 
 def plugin_settings(args: argparse.Namespace, *, index: bool = True) -> PluginOptions:
@@ -131,11 +142,24 @@ def index_from_options(name: str, index_opt: list[str]) -> IndexPlugin:
     return index
 
 
+def kv_events_from(args: argparse.Namespace) -> KvEventPublisher | None:
+    """``--kv-events`` (with ``--kv-events-replay`` and ``--kv-events-topic``): the
+    publisher, its sockets open; None without ``--kv-events``."""
+    endpoint = getattr(args, "kv_events", None)
+    if endpoint is None:
+        if getattr(args, "kv_events_replay", None) is not None:
+            raise ConfigError("--kv-events-replay: replays events; give --kv-events too")
+        return None
+    return KvEventPublisher(endpoint, replay=args.kv_events_replay, topic=args.kv_events_topic)
+
+
 def controller_from(
     args: argparse.Namespace,
     credentials: Credentials | None,
     index: IndexPlugin,
     image_servers: dict[str, TransportServer],
+    tenants: list[TenantSpec] | None = None,
+    kv_events: KvEventPublisher | None = None,
 ) -> Controller:
     return Controller(
         listen=control_endpoint(args.listen, "--listen"),
@@ -146,6 +170,8 @@ def controller_from(
         freeze_long_lived=True,  # a process of its own (with `serve`, its node's agents)
         max_frame=max_frame_from(args.max_frame),
         reservation_limits=reservation_limits_from(args),
+        tenants=TenantGate(tenants) if tenants else None,
+        kv_events=kv_events,
     )
 
 
@@ -186,7 +212,11 @@ def _transport_names(text: str) -> list[str]:
     return [] if names == ["none"] else names
 
 
-def _transport_config(args: argparse.Namespace, credentials: Credentials | None) -> TransportConfig:
+def _transport_config(
+    args: argparse.Namespace,
+    credentials: Credentials | None,
+    tenants: list[TenantSpec] | None = None,
+) -> TransportConfig:
     host = check_host(args.host, "--host")
     advertise = None if args.advertise is None else check_host(args.advertise, "--advertise")
     return TransportConfig(
@@ -194,6 +224,7 @@ def _transport_config(args: argparse.Namespace, credentials: Credentials | None)
         advertise=advertised_host(host, advertise, _route_toward(args)),
         port=args.port,
         token=credentials.data_token if credentials else b"",
+        tenant_tokens=tuple((t.keys.data_token, t.keys.tag) for t in tenants or ()),
     )
 
 
@@ -236,6 +267,8 @@ def image_servers_from(
     """
     plugins = plugin_manager()
     classes = {name: plugins.transport(name) for name in _transport_names(args.transport)}
+    # No tenant keys: a tenant's client reads no lookup image (it is every tenant's), it
+    # asks the controller, which keeps tenants apart.
     config = _transport_config(args, credentials)
     servers: dict[str, TransportServer] = {}
     try:
@@ -264,7 +297,10 @@ def close_servers(servers: dict[str, TransportServer]) -> None:
 
 
 def node_from(
-    args: argparse.Namespace, credentials: Credentials | None, settings: PluginOptions
+    args: argparse.Namespace,
+    credentials: Credentials | None,
+    settings: PluginOptions,
+    tenants: list[TenantSpec] | None = None,
 ) -> DataNode:
     capacity = _size(args.capacity, "--capacity")
     region_size = min(_size(args.region_size, "--region-size"), capacity)
@@ -290,7 +326,7 @@ def node_from(
             backend_config=BackendConfig(
                 capacity=capacity, region_size=region_size, path=args.path
             ),
-            transport_config=_transport_config(args, credentials),
+            transport_config=_transport_config(args, credentials, tenants),
             name=args.name,
             plugin_options=settings,
         )

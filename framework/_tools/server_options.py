@@ -125,6 +125,18 @@ def add_secret_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_tenants_option(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("--tenants", default=None, metavar="FILE", help=help)
+
+
+_TENANTS_HELP = (
+    "serve tenants: a TOML file with one [NAME] table per tenant (secret_file, quota as a "
+    "size, optional ttl as a duration); each tenant's clients connect with tenant=NAME and "
+    "that tenant's secret, and see only their own keys (docs/tenants.md). Needs "
+    "--secret-file"
+)
+
+
 TIMEOUT_HELP = (
     "how long to wait for one answer from the controller (or the shared index) before "
     "taking it for away"
@@ -258,6 +270,32 @@ def _add_controller_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_kv_events_options(parser: argparse.ArgumentParser) -> None:
+    """Where the index's KV events are published, in vLLM's format (controller, serve)."""
+    parser.add_argument(
+        "--kv-events",
+        default=None,
+        metavar="ENDPOINT",
+        help="publish KV events (what the store holds: blocks stored, removed, cleared) on "
+        "a ZeroMQ PUB socket, as vLLM's --kv-events-config does: tcp://*:PORT binds (a "
+        "subscriber connects), tcp://HOST:PORT connects to a subscriber that binds "
+        "(default: none)",
+    )
+    parser.add_argument(
+        "--kv-events-replay",
+        default=None,
+        metavar="ENDPOINT",
+        help="bind a ZeroMQ ROUTER socket that answers a start sequence number with the "
+        "event batches kept since (vLLM's replay_endpoint; e.g. tcp://127.0.0.1:5558)",
+    )
+    parser.add_argument(
+        "--kv-events-topic",
+        default="",
+        metavar="TOPIC",
+        help="the topic frame of every event message (vLLM's topic; llm-d expects kv@POD@MODEL)",
+    )
+
+
 def _add_image_options(parser: argparse.ArgumentParser) -> None:
     """A controller's own transport servers, for the lookup image."""
     _add_transports(
@@ -382,6 +420,8 @@ def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         formatter_class=HelpFormatter,
     )
     _add_controller_options(controller)
+    _add_kv_events_options(controller)
+    _add_tenants_option(controller, _TENANTS_HELP)
     _add_image_options(controller)
     _add_metrics_options(controller, controller=True)
     controller.add_argument(
@@ -406,6 +446,11 @@ def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     add_controller_address(node, CONTROLLER_ADDRESS)
     add_shared_index_options(node, "register with")
     _add_node_options(node)
+    _add_tenants_option(
+        node,
+        "the controller's tenants file: this node's tcp port then also admits each tenant's "
+        "clients (by their tenant's secret)",
+    )
     _add_metrics_options(node, controller=False)
     _add_common(node)
     node.set_defaults(func=_run_node)
@@ -418,6 +463,8 @@ def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         formatter_class=HelpFormatter,
     )
     _add_controller_options(serve)
+    _add_kv_events_options(serve)
+    _add_tenants_option(serve, _TENANTS_HELP)
     _add_node_options(serve)
     _add_metrics_options(serve, controller=True)
     _add_common(serve)

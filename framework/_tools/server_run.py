@@ -25,6 +25,9 @@ import zmq
 from kvfabric._control.client import ControlClient
 from kvfabric._control.controller import Controller
 from kvfabric._control.remote_index import fetch_stats
+from kvfabric._control.security import Credentials
+from kvfabric._control.tenant_config import TenantSpec
+from kvfabric._control.tenant_keys import controller_key
 from kvfabric._node.agent import NodeAgent
 from kvfabric._node.membership import Membership
 from kvfabric._node.node import DataNode
@@ -41,9 +44,11 @@ from kvfabric._tools.server_build import (
     duration,
     image_servers_from,
     index_from,
+    kv_events_from,
     membership_from,
     node_from,
     plugin_settings,
+    tenants_from,
 )
 from kvfabric._tools.server_health import add_controller_checks, add_node_checks
 from kvfabric.errors import ConfigError, KvfabricError
@@ -107,6 +112,28 @@ def _image_words(controller: Controller) -> str:
     return f"; lookup image over {', '.join(parts) or 'nothing'}"
 
 
+def _kv_events_words(controller: Controller) -> str:
+    """For the ready line: where KV events are published, if they are."""
+    events = controller.kv_events
+    if events is None:
+        return ""
+    replay = f" (replay {events.replay_endpoint})" if events.replay_endpoint else ""
+    return f"; KV events on {events.endpoint}{replay}"
+
+
+def _tenant_words(
+    endpoint: str, credentials: Credentials | None, tenants: list[TenantSpec] | None
+) -> str:
+    """For the ready line: how a tenant's client connects."""
+    if not tenants or credentials is None:
+        return ""
+    return (
+        f"; tenants {', '.join(t.name for t in tenants)} connect with "
+        f"kvfabric://{_host_port(endpoint)}?tenant=NAME&secret_file=FILE"
+        f"&controller_key={controller_key(credentials)}"
+    )
+
+
 def _host_port(endpoint: str) -> str:
     """``HOST:PORT`` of ``endpoint`` as clients use it: a wildcard bind (0.0.0.0) shows
     this host's address on the default route instead."""
@@ -141,15 +168,24 @@ def _controller_stats(endpoint: Callable[[], str], args: argparse.Namespace) -> 
 
 @contextmanager
 def _metrics(
-    args: argparse.Namespace, fetch: Callable[[], Scopes], source: str, health: Health
+    args: argparse.Namespace,
+    fetch: Callable[[], Scopes],
+    source: str,
+    health: Health,
+    *,
+    nodes: bool = True,
+    image: bool = True,
 ) -> Iterator[str]:
     """Serve ``fetch``'s counters, ``/healthz`` and ``/readyz`` (``health``) on
-    ``--metrics-port`` if given; yields the ready-line part."""
+    ``--metrics-port`` if given; yields the ready-line part. ``nodes``/``image``: whether
+    this process exports its nodes' and its lookup image's servers' counters (each value by
+    the process that owns it)."""
     if args.metrics_port is None:
         yield ""
         return
     host = check_host(args.metrics_host, "--metrics-host")
-    server = MetricsServer(ScopesCollector(fetch, source), host, args.metrics_port, health)
+    collector = ScopesCollector(fetch, source, nodes=nodes, image=image)
+    server = MetricsServer(collector, host, args.metrics_port, health)
     try:
         yield f"; metrics at {server.url}"
     finally:
@@ -159,13 +195,15 @@ def _metrics(
 def _controller_metrics(
     args: argparse.Namespace, controller: Controller, health: Health
 ) -> AbstractContextManager[str]:
-    """The controller's counters (asked of it once it is bound) on ``--metrics-port``."""
+    """A controller's own counters (asked of it once it is bound) on ``--metrics-port``,
+    with its readiness checks."""
     add_controller_checks(health, controller)
     return _metrics(
         args,
         lambda: _controller_stats(lambda: controller.endpoint, args),
         "the controller",
         health,
+        nodes=False,
     )
 
 
@@ -213,11 +251,14 @@ def _announce_waiting(agent: NodeAgent, membership: Membership, secured: bool) -
 def run_controller(args: argparse.Namespace) -> int:
     settings = plugin_settings(args)
     credentials = credentials_from(args)
+    tenants = tenants_from(args)
     index = index_from(args, settings)
     try:
         servers = image_servers_from(args, credentials, settings)
+        kv_events = None
         try:
-            controller = controller_from(args, credentials, index, servers)
+            kv_events = kv_events_from(args)
+            controller = controller_from(args, credentials, index, servers, tenants, kv_events)
             settings.check_all_claimed("controller")
             with _controller_metrics(args, controller, Health()) as metrics:
                 _stop_on_signals(controller.stop)
@@ -226,12 +267,15 @@ def run_controller(args: argparse.Namespace) -> int:
                     controller.listen,
                     lambda endpoint: print(
                         f"kvfabric controller listening on {endpoint} (index {args.index})"
-                        f"{_image_words(controller)}{metrics}; clients connect with "
-                        f"kvfabric://{_host_port(endpoint)}",
+                        f"{_image_words(controller)}{_kv_events_words(controller)}{metrics}; "
+                        f"clients connect with kvfabric://{_host_port(endpoint)}"
+                        f"{_tenant_words(endpoint, credentials, tenants)}",
                         flush=True,
                     ),
                 )
         finally:
+            if kv_events is not None:
+                kv_events.close()
             close_servers(servers)
     finally:
         index.close()
@@ -240,6 +284,7 @@ def run_controller(args: argparse.Namespace) -> int:
 
 def run_node(args: argparse.Namespace) -> int:
     credentials = credentials_from(args)
+    tenants = tenants_from(args)
     membership, shared_index = membership_from(args, credentials)
     # The endpoint is up before the memory is prepared (which can take minutes): alive,
     # and saying what it is not yet ready for.
@@ -267,7 +312,7 @@ def run_node(args: argparse.Namespace) -> int:
     try:
         with _metrics(args, node_stats, source, health) as metrics:
             _stop_on_signals(stop.set)
-            node = node_from(args, credentials, plugin_settings(args, index=False))
+            node = node_from(args, credentials, plugin_settings(args, index=False), tenants)
             try:
                 agent = NodeAgent(
                     node, membership, heartbeat=duration(args.heartbeat, "--heartbeat")
@@ -301,6 +346,7 @@ def run_node(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     credentials = credentials_from(args)
+    tenants = tenants_from(args)
     settings = plugin_settings(args)
     # As for a node: the endpoint is up (alive, not ready) while the memory is prepared.
     controllers: list[Controller] = []
@@ -313,16 +359,20 @@ def run_serve(args: argparse.Namespace) -> int:
             return {}
         return _controller_stats(lambda: controllers[0].endpoint, args)
 
-    with _metrics(args, stats, "the controller", health) as metrics:
+    # serve exports its node's counters too, without the image's servers (they are the
+    # node's).
+    with _metrics(args, stats, "the controller", health, nodes=True, image=False) as metrics:
         index = index_from(args, settings)
         try:
-            node = node_from(args, credentials, settings)
+            node = node_from(args, credentials, settings, tenants)
         except BaseException:
             index.close()
             raise
+        kv_events = None
         try:
+            kv_events = kv_events_from(args)
             # The node's transport servers serve the lookup image too: one port per transport.
-            controller = controller_from(args, credentials, index, node.servers)
+            controller = controller_from(args, credentials, index, node.servers, tenants, kv_events)
             add_controller_checks(health, controller)
             controllers.append(controller)
             _stop_on_signals(controller.stop)
@@ -351,8 +401,9 @@ def run_serve(args: argparse.Namespace) -> int:
                     return
                 print(
                     f"kvfabric serving on {endpoint}: node {node.name}, {_describe(node)}"
-                    f"{_image_words(controller)}{metrics}; connect with "
-                    f"kvfabric://{_host_port(endpoint)}",
+                    f"{_image_words(controller)}{_kv_events_words(controller)}{metrics}; "
+                    f"connect with kvfabric://{_host_port(endpoint)}"
+                    f"{_tenant_words(endpoint, credentials, tenants)}",
                     flush=True,
                 )
 
@@ -362,6 +413,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 for agent in agents:
                     agent.stop()
         finally:
+            if kv_events is not None:
+                kv_events.close()
             index.close()
             node.close()
     return 0

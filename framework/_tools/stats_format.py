@@ -1,9 +1,12 @@
 """Render the controller's counters: a table for people, Prometheus text or JSON for machines.
 
 The controller reports scopes of counters: ``controller`` (its RPCs and refusals), ``index``
-(capacity, entries, hits, dedup, evictions, ...) and one ``node ID NAME`` scope per data node
-(capacity and each transport server's counters). The Prometheus form is written by
-:mod:`kvfabric._tools.metrics`, the same collector the ``--metrics-port`` endpoint serves.
+(capacity, entries, hits, dedup, evictions, ...), ``clients`` (what its clients reported
+they looked up, read and wrote, and how long their calls took: :mod:`kvfabric._wire.usage`)
+and one ``node ID NAME`` scope per data node (capacity and each transport server's counters,
+as of its last heartbeat). The summary's hit rate is the clients' where they reported any.
+The Prometheus form is written by :mod:`kvfabric._tools.metrics`, the collector the
+``--metrics-port`` endpoints serve.
 """
 
 from __future__ import annotations
@@ -37,9 +40,15 @@ def format_table(scopes: Scopes) -> str:
         for label, key in _SUMMARY
         if key in merged
     )
-    hits, asked = index.get("prefix_hits", 0), index.get("lookup_keys", 0)
+    # The clients' own counts where they report them: lookups from the lookup image never
+    # reach the index.
+    clients = scopes.get("clients", {})
+    if clients.get("lookup_keys"):
+        hits, asked = clients.get("lookup_hits", 0), clients["lookup_keys"]
+    else:
+        hits, asked = index.get("prefix_hits", 0), index.get("lookup_keys", 0)
     if asked:
-        summary += f", hit rate {hits / asked:.0%}"
+        summary += f", hit rate {hits / asked:.0%} of {asked} keys looked up"
     rows = [("scope", "counter", "value")]
     for scope, counters in scopes.items():
         for name, value in counters.items():

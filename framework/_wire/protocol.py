@@ -36,7 +36,10 @@ as its own grant.
 A client asks once where the index's lookup image is (``IMAGE``: the transports that serve
 it, and for a client on the controller's host the file to map) and answers lookups from it;
 the keys it hit there it reports in the background, batched (``TOUCH``), so eviction still
-sees their use.
+sees their use. What it counted (keys looked up, read and written, by outcome, and its calls'
+durations) it reports every few seconds as the difference since its last report
+(``USAGE``, :mod:`kvfabric._wire.usage`), so the controller can show the fleet's hit rate;
+a controller that predates it answers ``UNKNOWN_TYPE`` and the client stops reporting.
 
 The requests that reserve space (``ALLOCATE``, ``LEASE_EXTENTS``) begin with the client's
 id (u64), a random number each client draws when it connects: the controller bounds what
@@ -45,6 +48,13 @@ a flag per grant: set where the grant's key is published with that grant's versi
 publish was served before the abort), clear where it is not (the grant, if it was still
 pending, is now released): a writer that got no reply to its publish asks this way what
 became of it.
+
+A writer may say what the KV events should say of the keys it publishes, in the engine's
+own terms (:class:`~kvfabric.spi.EngineBlock`): a ``PUBLISH`` or ``PUBLISH_CARVED`` then
+ends with a *blocks* section — count u32, then per block its key and the block
+(:func:`write_blocks`). Like the replicas' additions, a writer that attaches none never
+sends it, so its frames stay byte for byte what they were; a controller that publishes no
+events skips the section unread.
 
 A large request is sent as several frames of bounded size (:mod:`kvfabric._control.session`);
 each is a request of its own, served whole or not at all.
@@ -70,6 +80,7 @@ from kvfabric._runtime.frozen import field_setters
 from kvfabric.descriptor import DESCRIPTOR_SIZE, Descriptor, PackedDescriptors
 from kvfabric.errors import ProtocolError
 from kvfabric.keys import KEY_SIZE
+from kvfabric.spi.events import MAX_BLOCK_TOKENS, MAX_HASH_BYTES, EngineBlock, EngineHash
 from kvfabric.spi.index import (
     MAX_ENDPOINTS,
     AllocateResult,
@@ -105,6 +116,8 @@ __all__ = [
     "MsgType",
     "decode_header",
     "encode",
+    "encode_block",
+    "read_blocks",
     "read_client",
     "read_copies",
     "read_deregister",
@@ -112,6 +125,7 @@ __all__ = [
     "read_image_location",
     "read_node_ref",
     "read_restore",
+    "write_blocks",
     "write_client",
     "write_copies",
     "write_deregister",
@@ -153,6 +167,7 @@ class MsgType(enum.IntEnum):
     TOUCH = 17
     LEASE_EXTENTS = 18
     PUBLISH_CARVED = 19
+    USAGE = 20
     ERROR = 0x7FFF
 
 
@@ -163,6 +178,9 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_NODE = 4
     INTERNAL = 5
     NAME_IN_USE = 6
+    FORBIDDEN = 7
+    """Not a request this connection's credential may make (a tenant's client sent a data
+    node's request, asked for stats or for extents)."""
 
 
 class FrameError(ProtocolError):
@@ -521,6 +539,83 @@ def read_grants(r: Reader) -> list[GrantRef]:
     n = r.count(_GRANT.size, MAX_BATCH)
     raw = r.raw(n * _GRANT.size)
     return [GrantRef(key=k, version=v, crc=c) for k, v, c in _GRANT.iter_unpack(raw)]
+
+
+_HASH_NONE, _HASH_BYTES, _HASH_INT = 0, 1, 2
+_LORA_ID, _LORA_NAME = 1, 2
+
+
+def _write_hash(w: Writer, value: EngineHash | None) -> None:
+    if value is None:
+        w.u8(_HASH_NONE)
+    elif isinstance(value, bytes):
+        w.u8(_HASH_BYTES).u8(len(value)).raw(value)
+    else:
+        w.u8(_HASH_INT).u64(value)
+
+
+def _read_hash(r: Reader) -> EngineHash | None:
+    kind = r.u8()
+    if kind == _HASH_NONE:
+        return None
+    if kind == _HASH_BYTES:
+        n = r.u8()
+        if not 0 < n <= MAX_HASH_BYTES:
+            raise ProtocolError(f"an engine hash of {n} bytes")
+        return r.raw(n)
+    if kind == _HASH_INT:
+        return r.u64()
+    raise ProtocolError(f"unknown engine hash kind {kind}")
+
+
+def encode_block(key: bytes, block: EngineBlock) -> bytes:
+    """One entry of a blocks section: the key, then what the events say of it."""
+    w = Writer().raw(key)
+    _write_hash(w, block.hash)
+    _write_hash(w, block.parent)
+    tokens = np.asarray(block.token_ids, dtype="<u4")
+    w.u32(block.block_size).u32(len(tokens)).raw(tokens.tobytes())
+    flags = (_LORA_ID if block.lora_id is not None else 0) | (
+        _LORA_NAME if block.lora_name is not None else 0
+    )
+    w.u8(flags)
+    if block.lora_id is not None:
+        w.u64(block.lora_id)
+    if block.lora_name is not None:
+        w.text(block.lora_name)
+    return w.getvalue()
+
+
+def write_blocks(encoded: Sequence[bytes]) -> bytes:
+    """A blocks section of entries made by :func:`encode_block`."""
+    return struct.pack("<I", len(encoded)) + b"".join(encoded)
+
+
+def read_blocks(r: Reader) -> dict[bytes, EngineBlock]:
+    """A blocks section, each block checked as a writer's would be."""
+    out: dict[bytes, EngineBlock] = {}
+    for _ in range(r.count(KEY_SIZE + 11, MAX_BATCH)):
+        key = r.raw(KEY_SIZE)
+        block_hash, parent = _read_hash(r), _read_hash(r)
+        block_size, n = r.u32(), r.count(4, MAX_BLOCK_TOKENS)
+        tokens = np.frombuffer(r.raw(4 * n), dtype="<u4").tolist()
+        flags = r.u8()
+        lora_id = r.u64() if flags & _LORA_ID else None
+        lora_name = r.text(256) if flags & _LORA_NAME else None
+        if block_hash is None:
+            raise ProtocolError("a block without its engine hash")
+        try:
+            out[key] = EngineBlock(
+                hash=block_hash,
+                parent=parent,
+                token_ids=tokens,
+                block_size=block_size,
+                lora_id=lora_id,
+                lora_name=lora_name,
+            )
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"a malformed block: {exc}") from None
+    return out
 
 
 def write_nodes(nodes: Sequence[NodeInfo]) -> bytes:

@@ -20,6 +20,10 @@ stale read can only fail validation — never return another key's bytes.
 - :mod:`~kvfabric.indexes.memory_replicas` — an entry's copies lost, added, promoted;
 - :mod:`~kvfabric.indexes.memory_nodes` — the data nodes, their regions, restores.
 
+Where its owner asks for KV events (:meth:`MemoryIndex.report_events`), the parts that
+publish and the table, which every removal goes through, tell the owner's sink of each
+entry as it comes and goes (:mod:`kvfabric.spi.events`).
+
 The parts share the state each owns by reference (the table's dicts, the regions), never a
 copy, and each loop over keys stays in one part.
 """
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvfabric._runtime.bounds import bounded
 from kvfabric.descriptor import Descriptor
@@ -47,9 +51,11 @@ from kvfabric.spi import (
     CarvedRecord,
     CarveOutcome,
     Copies,
+    EngineBlock,
     Extent,
     GrantRef,
     IndexConfig,
+    IndexEvents,
     IndexPlugin,
     NodeInfo,
     OptionSpec,
@@ -232,6 +238,15 @@ class MemoryIndex(IndexPlugin):
         with self._lock:
             self._table.touch(keys, self._clock())
 
+    def report_events(self, events: IndexEvents) -> bool:
+        """Every entry published (by a writer or a node's restore) and every published
+        entry that goes (deleted, evicted, invalid, its last copy lost with its node) is
+        told to ``events`` under the index's lock, in order; each entry keeps the engine
+        hash its writer attached, for its removal."""
+        with self._lock:
+            self._table.events = events
+        return True
+
     def lookup_image(self) -> Region | None:
         with self._lock:
             image = self._table.image
@@ -248,6 +263,12 @@ class MemoryIndex(IndexPlugin):
     def publish(self, grants: Sequence[GrantRef]) -> list[bool]:
         with self._lock:
             return self._grants.publish(grants, self._clock())
+
+    def publish_described(
+        self, grants: Sequence[GrantRef], blocks: Mapping[bytes, EngineBlock]
+    ) -> list[bool]:
+        with self._lock:
+            return self._grants.publish(grants, self._clock(), blocks)
 
     def abort(self, grants: Sequence[GrantRef]) -> None:
         with self._lock:
@@ -276,6 +297,15 @@ class MemoryIndex(IndexPlugin):
     ) -> list[CarveOutcome]:
         with self._lock:
             return self._extents.publish_carved(records, again, self._clock())
+
+    def publish_carved_described(
+        self,
+        records: Sequence[CarvedRecord],
+        again: Sequence[bytes],
+        blocks: Mapping[bytes, EngineBlock],
+    ) -> list[CarveOutcome]:
+        with self._lock:
+            return self._extents.publish_carved(records, again, self._clock(), blocks)
 
     def unpublish(self, keys: Sequence[bytes]) -> int:
         with self._lock:

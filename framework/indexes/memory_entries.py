@@ -11,6 +11,11 @@ image). Uses clients report (:meth:`EntryTable.touch`) are stamped the same way,
 LRU learns of stamped uses when eviction walks it
 (:meth:`~kvfabric.indexes.memory_eviction.Eviction.evictable`). No step per key runs in
 Python where the image answers.
+
+Where the index reports KV events (:mod:`kvfabric.spi.events`), the table tells its
+:attr:`EntryTable.events` of every published entry that goes, whatever removes it, naming
+the engine hash its writer attached (:attr:`Entry.engine`); the parts that publish tell it
+of what they publish.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from kvfabric._runtime.image import ImageStop, first_bad_key
 from kvfabric.descriptor import Descriptor, PackedDescriptors
 from kvfabric.indexes.memory_image import MemoryImage, NoImage
 from kvfabric.indexes.memory_regions import Regions
-from kvfabric.spi import Copies, GrantRef
+from kvfabric.spi import Copies, EngineBlock, GrantRef, IndexEvents
 
 __all__ = ["Entry", "EntryState", "EntryTable"]
 
@@ -38,6 +43,7 @@ class Entry:
     __slots__ = (
         "alternates",
         "descriptor",
+        "engine",
         "grants",
         "last_use",
         "lease_deadline",
@@ -59,6 +65,10 @@ class Entry:
         self.lease_deadline = lease_deadline
         self.last_use = 0.0
         self.retention = 0
+        self.engine: bytes | int | None = None
+        """The engine's hash of the block, where its writer attached one and the index
+        reports events (its removal then names it): one slot per entry, and the hash
+        itself (a 65-byte object for vLLM's SHA-256 digests) only where there is one."""
 
     def copies(self) -> tuple[Descriptor, ...]:
         """The published copies, the one read first first."""
@@ -83,6 +93,8 @@ class EntryTable:
         when eviction walks it)."""
         self.image = image
         """Replaced by a :class:`NoImage` when the index closes."""
+        self.events: IndexEvents | None = None
+        """Where every entry stored and removed is told, while the index reports events."""
         self._regions = regions
         self._replicas = replicas
         self._counters = counters
@@ -99,6 +111,14 @@ class EntryTable:
         copy = entry.grants.get(grant.version)
         return None if copy is None else (entry, copy)
 
+    def stored(self, key: bytes, entry: Entry, block: EngineBlock | None) -> None:
+        """``entry`` was just published: the events hear of it (``block``: what its writer
+        said of it). Called only while :attr:`events` is set."""
+        assert self.events is not None
+        if block is not None:
+            entry.engine = block.hash
+        self.events.stored(key, block)
+
     def remove(self, key: bytes, entry: Entry, now: float, *, immediate: bool = False) -> None:
         """Take an entry out with every copy; their slots retire (or are free at once:
         ``immediate``, no grace)."""
@@ -106,6 +126,8 @@ class EntryTable:
         self.lru.pop(key, None)
         vacate = self._regions.vacate
         if entry.state is EntryState.PUBLISHED:
+            if self.events is not None:
+                self.events.removed(key, entry.engine)
             self.image.hide(key)
             for d in entry.copies():
                 vacate(key, d, entry.size, now, immediate=immediate)

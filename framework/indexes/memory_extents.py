@@ -15,7 +15,7 @@ returns it, when its lease runs out, or when a record skips over it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -26,7 +26,14 @@ from kvfabric.indexes.memory_grants import Grants
 from kvfabric.indexes.memory_regions import Regions
 from kvfabric.indexes.memory_space import RegionSpace
 from kvfabric.keys import KEY_SIZE
-from kvfabric.spi import SLOT_ALIGN, CarvedRecord, CarveOutcome, Extent, record_size
+from kvfabric.spi import (
+    SLOT_ALIGN,
+    CarvedRecord,
+    CarveOutcome,
+    EngineBlock,
+    Extent,
+    record_size,
+)
 
 __all__ = ["MIN_RECORD", "Extents", "LeasedExtent"]
 
@@ -176,13 +183,20 @@ class Extents:
         return extent
 
     def publish_carved(
-        self, records: Sequence[CarvedRecord], again: Sequence[bytes], now: float
+        self,
+        records: Sequence[CarvedRecord],
+        again: Sequence[bytes],
+        now: float,
+        blocks: Mapping[bytes, EngineBlock] | None = None,
     ) -> list[CarveOutcome]:
         """Records writers laid into their extents (see :meth:`IndexPlugin.publish_carved`),
-        each checked against its extent, and keys stored again (``again``)."""
+        each checked against its extent, and keys stored again (``again``). ``blocks``: what
+        the writer said of some keys, for the events (if reported)."""
         table, counters = self._table, self._counters
         entries, lru, show = table.entries, table.lru, table.image.show
         retire_unused = self._regions.retire_unused
+        # Looked up once: the loop below pays one local test per record for the events.
+        told = table.stored if table.events is not None else None
         for key in again:
             entry = entries.get(key)
             if entry is not None and entry.state is EntryState.PUBLISHED:
@@ -238,6 +252,8 @@ class Extents:
             entries[key] = entry
             lru[key] = None
             show(key, descriptor, entry.alternates)
+            if told is not None:
+                told(key, entry, blocks.get(key) if blocks else None)
             out.append(CarveOutcome.STORED)
         stored = out.count(CarveOutcome.STORED)
         counters["published"] += stored

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvfabric.descriptor import Descriptor
 from kvfabric.indexes.memory_entries import Entry, EntryState, EntryTable
@@ -30,6 +30,7 @@ from kvfabric.spi import (
     Allocation,
     AllocationKind,
     AllocationRequest,
+    EngineBlock,
     GrantRef,
     record_size,
 )
@@ -181,7 +182,13 @@ class Grants:
 
     # -- publish, abort, expiry --------------------------------------------------------
 
-    def publish(self, grants: Sequence[GrantRef], now: float) -> list[bool]:
+    def publish(
+        self,
+        grants: Sequence[GrantRef],
+        now: float,
+        blocks: Mapping[bytes, EngineBlock] | None = None,
+    ) -> list[bool]:
+        """``blocks``: what the writer said of some keys, for the events (if reported)."""
         granted = self._table.granted
         out: list[bool] = []
         landed: dict[bytes, list[Descriptor]] = {}
@@ -196,8 +203,16 @@ class Grants:
             else:
                 self._counters["publish_rejected"] += 1
             out.append(ok)
+        if self._table.events is None:
+            for key, copies in landed.items():
+                self._publish_copies(key, self._entries[key], copies, now)
+            return out
         for key, copies in landed.items():
-            self._publish_copies(key, self._entries[key], copies, now)
+            entry = self._entries[key]
+            fresh = entry.state is EntryState.PENDING
+            self._publish_copies(key, entry, copies, now)
+            if fresh:
+                self._table.stored(key, entry, blocks.get(key) if blocks else None)
         return out
 
     def _publish_copies(

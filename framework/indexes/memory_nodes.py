@@ -162,6 +162,9 @@ class NodeRegistry:
             lru[record.key] = None
             put(descriptor)
             space.occupy(record.offset, size, record.key)
+            if self._table.events is not None:
+                # Restored from a node's records: what a writer said of it is not kept there.
+                self._table.stored(record.key, entry, None)
             kept += 1
         self._counters["restored"] += kept
         return kept

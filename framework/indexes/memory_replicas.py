@@ -60,9 +60,12 @@ class Replicas:
             return False
         self._counters["replicas_dropped"] += 1
         if not kept:
-            del self._table.entries[key]
-            self._table.lru.pop(key, None)
-            self._table.image.hide(key)
+            table = self._table
+            del table.entries[key]
+            table.lru.pop(key, None)
+            if table.events is not None:
+                table.events.removed(key, entry.engine)
+            table.image.hide(key)
             return True
         self.set_copies(key, entry, kept)
         return False

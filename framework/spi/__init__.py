@@ -17,7 +17,9 @@ ones never need.
   and checks segments (``plan_batch``, ``Batch``), ``RegionTable`` the server's check
   (``SegmentStatus``), ``map_exceptions`` the error boundary.
 - Backends: ``Backend`` gives ``Region`` objects of a ``MemoryKind`` (``new_rkey``).
-- Indexes: ``IndexPlugin`` (an ``Index``) and the values that cross it.
+- Indexes: ``IndexPlugin`` (an ``Index``) and the values that cross it; ``IndexEvents``,
+  what an index that reports KV events tells of its entries, and ``EngineBlock``, what a
+  writer says of a key in the engine's own terms.
 - Records: ``HEADER_SIZE``, ``SLOT_ALIGN`` and ``record_size`` (how many bytes a value
   occupies in a slot); ``Counters`` for ``stats()``; ``byte_view`` for any buffer.
 """
@@ -28,6 +30,7 @@ from kvfabric._runtime.buffers import byte_view
 from kvfabric.spi.backend import Backend, BackendConfig, MemoryKind, Region, new_rkey
 from kvfabric.spi.boundary import SOCKET_ERRORS, ExceptionMapping, map_exceptions
 from kvfabric.spi.counters import Counters
+from kvfabric.spi.events import EngineBlock, IndexEvents
 from kvfabric.spi.hooks import hookimpl
 from kvfabric.spi.index import (
     AllocateResult,
@@ -78,11 +81,13 @@ __all__ = [
     "CarvedRecord",
     "Copies",
     "Counters",
+    "EngineBlock",
     "ExceptionMapping",
     "Extent",
     "GrantRef",
     "Index",
     "IndexConfig",
+    "IndexEvents",
     "IndexPlugin",
     "MemoryKind",
     "NodeEndpoint",

@@ -26,6 +26,7 @@ from kvfabric._runtime.codec import Reader, Writer
 from kvfabric.descriptor import Descriptor
 from kvfabric.errors import NotSupportedError, ProtocolError
 from kvfabric.spi.backend import Region
+from kvfabric.spi.events import EngineBlock, IndexEvents
 from kvfabric.spi.options import Plugin
 from kvfabric.spi.transport import NodeEndpoint
 
@@ -381,6 +382,26 @@ class Index(abc.ABC):
         ``allocate`` that finds it does (``EXISTS``)."""
         raise NotSupportedError(f"{type(self).__name__} leases no extents")
 
+    def publish_described(
+        self, grants: Sequence[GrantRef], blocks: Mapping[bytes, EngineBlock]
+    ) -> list[bool]:
+        """:meth:`publish`, with what the events should say of some of the keys (by key:
+        the writer attached an :class:`~kvfabric.spi.EngineBlock` to them; see
+        :mod:`kvfabric.spi.events`). Called instead of :meth:`publish` only where a writer
+        attached any. By default the blocks are dropped: an index that reports no events
+        (:meth:`IndexPlugin.report_events`) has no use for them."""
+        return self.publish(grants)
+
+    def publish_carved_described(
+        self,
+        records: Sequence[CarvedRecord],
+        again: Sequence[bytes],
+        blocks: Mapping[bytes, EngineBlock],
+    ) -> list[CarveOutcome]:
+        """:meth:`publish_carved`, with what the events should say of some of the keys (as
+        :meth:`publish_described`). By default the blocks are dropped."""
+        return self.publish_carved(records, again)
+
     def touch(self, keys: Sequence[bytes]) -> None:
         """Clients used these keys without asking the index (they read its lookup image):
         count them as used now, so eviction still sees the use. Clients send these in the
@@ -496,6 +517,15 @@ class IndexPlugin(Plugin, Index):
         then leave such work to it rather than do it before a reply (the memory index
         evicts ahead of need here once an owner has called it). Never required: an owner
         that does not call it keeps every call as it was."""
+
+    def report_events(self, events: IndexEvents) -> bool:
+        """Tell ``events`` from now on of every entry stored and removed, and of the index
+        emptied (see :mod:`kvfabric.spi.events`); False where this index reports none (the
+        default: an index may ignore events). Called once, by the owner that publishes them
+        (a controller started with ``--kv-events``), before the index serves anything. An
+        index that does keeps each entry's engine hash (from :meth:`publish_described`) for
+        its removal."""
+        return False
 
     def lookup_image(self) -> Region | None:
         """The index's lookup image (:mod:`kvfabric._runtime.image`), kept up to date from this

@@ -119,6 +119,11 @@ class TransportConfig:
     """Bound on one batched call; a node that does not answer in time is a miss."""
     token: bytes = b""
     """Shared secret a server may require of its clients."""
+    tenant_tokens: tuple[tuple[bytes, bytes], ...] = ()
+    """``(key, tag)`` per tenant: further keys a server admits clients by, each a tenant's
+    data-plane key, with the tag its index keys carry (bytes 8 to 12). A server that serves
+    reads itself (``tcp``) then serves such a client only whole records whose key carries
+    its tag (a server without ``token`` admits anyone, and ignores these)."""
     options: Mapping[str, Any] = attrs.field(factory=dict)
     """The transport's declared options, parsed (every one present, defaulted if not given)."""
 

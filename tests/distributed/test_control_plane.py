@@ -276,11 +276,12 @@ def test_stats_are_available_as_prometheus_text_and_json(cluster: Cluster) -> No
     assert prom.returncode == 0, prom.stderr
     samples = [line for line in prom.stdout.splitlines() if not line.startswith("#")]
     metrics = dict(line.rsplit(" ", 1) for line in samples)
-    assert float(metrics["kvfabric_index_dedup_hits_total"]) >= 3
-    assert 'kvfabric_node_capacity_bytes{name="node0",node="1"}' in metrics
+    dedup = 'kvfabric_index_offered_keys_total{outcome="deduplicated"}'
+    assert float(metrics[dedup]) >= 3
+    assert 'kvfabric_node_capacity_bytes{node="node0"}' in metrics
     as_json = subprocess.run([*base, "--format", "json"], capture_output=True, text=True)
     scopes = json.loads(as_json.stdout)
-    assert scopes["index"]["dedup_hits"] == float(metrics["kvfabric_index_dedup_hits_total"])
+    assert scopes["index"]["dedup_hits"] == float(metrics[dedup])
 
 
 _FAULTY_UPKEEP = """

@@ -47,6 +47,16 @@ def _types(text: str) -> dict[str, str]:
     }
 
 
+_CLIENT_REQUESTS = "client requests"
+_CLIENT_CALLS = ("allocate", "publish", "publish_carved", "lease_extents", "lookup_prefix")
+_GRANTED = 'kvfabric_index_offered_keys_total{outcome="granted"}'
+_DEDUPLICATED = 'kvfabric_index_offered_keys_total{outcome="deduplicated"}'
+
+
+def _requests(operation: str) -> str:
+    return f'kvfabric_controller_requests_total{{operation="{operation}"}}'
+
+
 def _keys(n: int, tag: int) -> list[bytes]:
     return [bytes([tag, i]) * 16 for i in range(n)]
 
@@ -76,23 +86,31 @@ def test_the_endpoints_have_help_and_type_lines_and_type_levels_as_gauges(
     assert types["kvfabric_index_capacity_bytes"] == "gauge"
     assert types["kvfabric_index_used_bytes"] == "gauge"
     # The lookup image's levels rise and fall: gauges, with help of their own.
-    for level in ("entries", "spilled", "buckets", "prefault_ms"):
+    for level in ("entries", "spilled", "buckets", "prefault_seconds"):
         assert types[f"kvfabric_index_image_{level}"] == "gauge"
-    assert "# HELP kvfabric_index_image_prefault_ms Milliseconds the index took" in text
+    assert "# HELP kvfabric_index_image_prefault_seconds Seconds the index took" in text
     # prometheus-client names a counter family by its samples' `_total` name.
-    assert types["kvfabric_index_prefix_hits_total"] == "counter"
-    assert types["kvfabric_controller_rpcs_total"] == "counter"
-    assert _samples(text)["kvfabric_up"] == 1.0
+    assert types["kvfabric_index_lookup_keys_total"] == "counter"
+    assert types["kvfabric_controller_requests_total"] == "counter"
+    assert types["kvfabric_client_operation_duration_seconds"] == "histogram"
+    samples = _samples(text)
+    assert samples["kvfabric_up"] == 1.0
+    assert samples[f'kvfabric_build_info{{version="{kvfabric.__version__}"}}'] == 1.0
+    assert "process_resident_memory_bytes" in samples
+    # The nodes serve their own counters: the controller's endpoint leaves them out.
+    assert not [name for name in types if name.startswith("kvfabric_node_")]
     node_types = _types(node_text)
     assert node_types["kvfabric_node_capacity_bytes"] == "gauge"
-    assert node_types["kvfabric_node_tcp_bytes_written_total"] == "counter"
+    assert node_types["kvfabric_node_transport_written_bytes_total"] == "counter"
     # Levels of the node, not totals: gauges, each with a help of its own.
-    assert node_types["kvfabric_node_prefault_ms"] == "gauge"
+    assert node_types["kvfabric_node_prefault_seconds"] == "gauge"
     assert node_types["kvfabric_node_huge_page_bytes"] == "gauge"
     assert "# HELP kvfabric_node_huge_page_bytes Bytes of this node's regions mapped" in node_text
-    samples = _samples(node_text)
-    assert samples['kvfabric_node_capacity_bytes{name="node0",node="1"}'] == 256 << 20
-    assert samples['kvfabric_node_registered{name="node0",node="1"}'] == 1.0
+    node_samples = _samples(node_text)
+    # Labelled by the node's name, which it keeps across restarts (not the id it was given).
+    assert node_samples['kvfabric_node_capacity_bytes{node="node0"}'] == 256 << 20
+    assert node_samples['kvfabric_node_registered{node="node0"}'] == 1.0
+    assert "process_resident_memory_bytes" in node_samples
 
 
 @pytest.mark.parametrize("extents", [True, False], ids=["extents", "allocate"])
@@ -115,35 +133,37 @@ def test_a_put_moves_the_counters_by_exactly_what_it_did(cluster: Cluster, exten
         repeat, node_repeat = _samples(_scrape(controller_url)), _samples(_scrape(node_url))
 
     def moved(name: str, old: dict[str, float], new: dict[str, float]) -> float:
-        return new[name] - old[name]
+        if name == _CLIENT_REQUESTS:  # the requests of clients' calls, by their operations
+            return sum(moved(_requests(op), old, new) for op in _CLIENT_CALLS)
+        return new.get(name, 0.0) - old.get(name, 0.0)
 
     # With an extent held, one publish of the records laid into it; else one allocate and
     # one publish. The scrapes themselves are not client RPCs.
     if extents:
-        assert moved("kvfabric_controller_rpcs_total", before, after) == 1
-        assert moved("kvfabric_controller_rpc_publish_carved_total", before, after) == 1
+        assert moved(_CLIENT_REQUESTS, before, after) == 1
+        assert moved(_requests("publish_carved"), before, after) == 1
         assert moved("kvfabric_index_carved_total", before, after) == 4
-        assert moved("kvfabric_index_grants_total", before, after) == 0
+        assert moved(_GRANTED, before, after) == 0
         assert moved("kvfabric_index_extent_bytes", before, after) == -4 * record_size(1000)
     else:
-        assert moved("kvfabric_controller_rpcs_total", before, after) == 2
-        assert moved("kvfabric_controller_rpc_allocate_total", before, after) == 1
-        assert moved("kvfabric_controller_rpc_publish_total", before, after) == 1
-        assert moved("kvfabric_index_grants_total", before, after) == 4
+        assert moved(_CLIENT_REQUESTS, before, after) == 2
+        assert moved(_requests("allocate"), before, after) == 1
+        assert moved(_requests("publish"), before, after) == 1
+        assert moved(_GRANTED, before, after) == 4
     assert moved("kvfabric_index_published_total", before, after) == 4
     assert moved("kvfabric_index_entries", before, after) == 4
     assert moved("kvfabric_index_stored_payload_bytes", before, after) == 4 * 1000
     assert moved("kvfabric_index_used_bytes", before, after) == 4 * record_size(1000)
-    assert moved("kvfabric_index_dedup_hits_total", before, after) == 0
-    written = 'kvfabric_node_tcp_bytes_written_total{name="node0",node="1"}'
+    assert moved(_DEDUPLICATED, before, after) == 0
+    written = 'kvfabric_node_transport_written_bytes_total{node="node0",transport="tcp"}'
     assert moved(written, node_before, node_after) == 4 * (64 + 1000)
 
     # Stored keys offered again: one call that answers (or is told) "stored", no bytes, no
     # entries.
-    assert moved("kvfabric_controller_rpcs_total", after, repeat) == 1
-    assert moved("kvfabric_index_dedup_hits_total", after, repeat) == 4
+    assert moved(_CLIENT_REQUESTS, after, repeat) == 1
+    assert moved(_DEDUPLICATED, after, repeat) == 4
     assert moved("kvfabric_index_entries", after, repeat) == 0
-    assert moved("kvfabric_index_grants_total", after, repeat) == 0
+    assert moved(_GRANTED, after, repeat) == 0
     assert moved(written, node_after, node_repeat) == 0
 
 
@@ -166,6 +186,7 @@ def test_stats_prints_the_same_exposition_and_takes_host_port(cluster: Cluster) 
     assert result.returncode == 0, result.stderr
     types = _types(result.stdout)
     assert types["kvfabric_index_entries"] == "gauge"
-    assert types["kvfabric_controller_rpcs_total"] == "counter"
-    assert "# HELP kvfabric_index_dedup_hits_total " in result.stdout
-    assert 'kvfabric_node_capacity_bytes{name="node0",node="1"}' in result.stdout
+    assert types["kvfabric_controller_requests_total"] == "counter"
+    assert "# HELP kvfabric_index_offered_keys_total " in result.stdout
+    # What the controller knows of its nodes too (each node's endpoint serves its own).
+    assert 'kvfabric_node_capacity_bytes{node="node0"}' in result.stdout

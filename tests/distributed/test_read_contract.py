@@ -67,7 +67,8 @@ class FakeController:
                     continue
                 identity, frame = sock.recv_multipart()
                 header, _ = decode_header(frame)
-                self.requests += 1
+                # A usage report goes off the calls' path (not a control RPC of theirs).
+                self.requests += header.type != MsgType.USAGE
                 sock.send_multipart([identity, self.reply(header.request_id)])
         finally:
             sock.close()

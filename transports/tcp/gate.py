@@ -69,8 +69,9 @@ class Admission(Protocol):
     def reserve(self) -> object | None:
         """A slot for one more connection, or None when the node is at its limit."""
 
-    def start(self, slot: object, stream: Stream) -> None:
-        """Serve ``stream`` in the reserved slot from now on."""
+    def start(self, slot: object, stream: Stream, key: int) -> None:
+        """Serve ``stream`` in the reserved slot from now on; ``key``: which key the client
+        proved (0: the node's own, ``i``: the i-th tenant key)."""
 
     def release(self, slot: object) -> None:
         """Give back a slot whose connection failed before :meth:`start`."""
@@ -86,7 +87,7 @@ class _Phase(enum.Enum):
 class _Pending:
     """One connection between accept and the end of its handshake."""
 
-    __slots__ = ("deadline", "got", "inbox", "nonce", "out", "phase", "slot", "sock")
+    __slots__ = ("deadline", "got", "inbox", "key", "nonce", "out", "phase", "slot", "sock")
 
     def __init__(self, sock: socket.socket, deadline: float, greeting: bytes, nonce: bytes):
         self.sock = sock
@@ -96,6 +97,7 @@ class _Pending:
         self.out = memoryview(greeting)
         self.inbox = bytearray(HEADER.size + HELLO_SIZE)
         self.got = 0
+        self.key = 0
         self.slot: object | None = None
 
 
@@ -115,13 +117,16 @@ class Gate:
         *,
         key: bytes,
         tls: ssl.SSLContext | None,
+        tenant_keys: tuple[bytes, ...] = (),
         max_pending: int,
         handshake_timeout: float,
         admission: Admission,
         counters: Counters,
     ) -> None:
         self._listener = listener
-        self._key = key
+        # A tenant's client proves its tenant's key instead of the deployment's (only where
+        # the node has a key at all: a node without one admits anyone).
+        self._keys = (key, *tenant_keys) if key else (key,)
         self._tls = tls
         self._flags = FLAG_TLS if tls is not None else 0
         self._max_pending = max(1, max_pending)
@@ -315,13 +320,23 @@ class Gate:
                 _check_hello_header(pending.inbox)
         body = pending.inbox[HEADER.size :]
         client_nonce, proof = bytes(body[:NONCE_SIZE]), bytes(body[NONCE_SIZE:])
-        expected = client_proof(self._key, self._flags, pending.nonce, client_nonce)
-        if not hmac.compare_digest(proof, expected):
+        proved = next(
+            (
+                number
+                for number, key in enumerate(self._keys)
+                if hmac.compare_digest(
+                    proof, client_proof(key, self._flags, pending.nonce, client_nonce)
+                )
+            ),
+            None,
+        )
+        if proved is None:
             raise _Refuse(Code.AUTH_FAILED, "auth_failures")
+        pending.key = proved
         pending.slot = self._admission.reserve()
         if pending.slot is None:
             raise _Refuse(Code.BUSY, "connections_refused")
-        ours = server_proof(self._key, self._flags, pending.nonce, client_nonce)
+        ours = server_proof(self._keys[proved], self._flags, pending.nonce, client_nonce)
         pending.out = memoryview(pack_header(Op.HELLO, Code.OK, len(ours), 0) + ours)
         pending.phase = _Phase.REPLY
         return True
@@ -334,7 +349,7 @@ class Gate:
         assert slot is not None
         self._counters.add("handshakes")
         stream = TlsStream(pending.sock) if self._tls is not None else Stream(pending.sock)
-        self._admission.start(slot, stream)
+        self._admission.start(slot, stream, pending.key)
 
     def _refuse(self, pending: _Pending, code: Code) -> None:
         """Best effort: one non-blocking send of the error header, then close."""

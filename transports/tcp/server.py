@@ -61,6 +61,7 @@ from kvfabric.transports.tcp.stream import (
     peer_closed,
     wake,
 )
+from kvfabric.transports.tcp.tenant_reads import tenant_reads
 from kvfabric.transports.tcp.tuning import AUTO, tune
 from kvfabric.transports.tcp.wire import (
     ENTRY,
@@ -120,7 +121,7 @@ class ServerLimits:
 class _Conn:
     """One authenticated connection (or a slot reserved for one finishing its handshake)."""
 
-    __slots__ = ("_idle", "evicted", "stream", "thread")
+    __slots__ = ("_idle", "evicted", "stream", "tag", "thread")
 
     def __init__(self) -> None:
         self.stream: Stream | None = None
@@ -129,6 +130,9 @@ class _Conn:
         # the native loop too (serve_reads), read by admission to pick an idle victim.
         self._idle = memoryview(bytearray(8)).cast("q")
         self.evicted = False
+        self.tag: bytes | None = None
+        """A tenant's connection: the tag its keys end with (it reads its own records only,
+        :mod:`kvfabric.transports.tcp.tenant_reads`)."""
 
     @property
     def idle_since(self) -> float | None:
@@ -156,6 +160,9 @@ class TcpServer(TransportServer):
         self._regions = RegionTable()
         # The same regions as the native loop takes them: (id, rkey, memory, size).
         self._native_regions: list[tuple[int, int, memoryview, int]] = []
+        self._memories: dict[int, memoryview] = {}
+        # Tag of the tenant each tenant key admits, by the key's number at the gate.
+        self._tenant_tags = {n: tag for n, (_, tag) in enumerate(config.tenant_tokens, 1)}
         self._counters = Counters(SERVER_COUNTERS)
         # What the native loop counts, shared by every connection (atomic adds in C).
         self._native_counts = memoryview(bytearray(8 * len(SERVE_COUNTERS))).cast("Q")
@@ -186,6 +193,7 @@ class TcpServer(TransportServer):
             self._listener,
             key=config.token,
             tls=tls,
+            tenant_keys=tuple(token for token, _ in config.tenant_tokens),
             max_pending=limits.max_pending,
             handshake_timeout=limits.handshake_timeout,
             admission=self,
@@ -200,6 +208,7 @@ class TcpServer(TransportServer):
         handle = RegionHandle(region=region.id, rkey=region.rkey, size=region.size)
         memory = byte_view(region.view)
         self._regions.add(handle, memory)
+        self._memories = {**self._memories, region.id: memory}
         # A new list, not appended to: a connection's native loop holds the one it started
         # with (regions are registered before clients learn of them).
         self._native_regions = [
@@ -253,8 +262,9 @@ class TcpServer(TransportServer):
             self._conns.add(conn)
             return conn
 
-    def start(self, slot: object, stream: Stream) -> None:
+    def start(self, slot: object, stream: Stream, key: int = 0) -> None:
         assert isinstance(slot, _Conn)
+        slot.tag = self._tenant_tags.get(key)
         try:
             tune(stream.sock, self._limits.send_buffer)
         except OSError:  # the peer is already gone
@@ -308,7 +318,7 @@ class TcpServer(TransportServer):
         header = memoryview(bytearray(HEADER.size))
         idle_timeout = self._limits.idle_timeout
         while True:
-            if not stream.tls:
+            if not stream.tls and conn.tag is None:
                 # Small READs (lookups of the image, most reads of records) are served in C
                 # without the GIL; the loop hands back what else arrives with its header read.
                 if not self._serve_natively(conn, stream, header):
@@ -328,7 +338,7 @@ class TcpServer(TransportServer):
                 deadline = time.monotonic() + self._limits.frame_timeout
                 stream.recv_exact(header[1:], deadline)
             self._counters.add("frames")
-            self._serve_frame(stream, header, deadline)
+            self._serve_frame(stream, header, deadline, conn.tag)
 
     def _serve_natively(self, conn: _Conn, stream: Stream, header: memoryview) -> bool:
         """Run the native loop; True with a frame's header read for Python to serve, False
@@ -360,7 +370,9 @@ class TcpServer(TransportServer):
             raise _Refused(Op.READ, Code.TOO_LARGE, "bad_frames")
         raise OSError(err, os.strerror(err))
 
-    def _serve_frame(self, stream: Stream, header: memoryview, deadline: float) -> None:
+    def _serve_frame(
+        self, stream: Stream, header: memoryview, deadline: float, tag: bytes | None = None
+    ) -> None:
         """One frame whose header is read: checked, then served or refused."""
         magic, version, op, code, count, rid = HEADER.unpack(header)
         if magic != MAGIC or version != VERSION or code or op not in _SERVED_OPS:
@@ -370,7 +382,9 @@ class TcpServer(TransportServer):
         table = stream.recv_growing(count * ENTRY.size, deadline)
         if sum(entry[3] for entry in ENTRY.iter_unpack(table)) > MAX_BATCH_BYTES:
             raise _Refused(op, Code.TOO_LARGE, "bad_frames")
-        if op == Op.READ:
+        if op == Op.READ and tag is not None:
+            self._serve_tenant_read(stream, rid, count, table, deadline, tag)
+        elif op == Op.READ:
             self._serve_read(stream, rid, count, table, deadline)
         else:
             self._serve_write(stream, rid, count, table, deadline)
@@ -395,6 +409,20 @@ class TcpServer(TransportServer):
             refused_segments=count - served,
         )
         stream.send_all(reply, deadline)
+
+    def _serve_tenant_read(
+        self, stream: Stream, rid: int, count: int, table: bytearray, deadline: float, tag: bytes
+    ) -> None:
+        statuses, pieces = tenant_reads(
+            self._regions, self._memories, ENTRY.iter_unpack(table), tag
+        )
+        self._counters.update(
+            requests=1,
+            segments_read=len(pieces),
+            bytes_read=sum(len(p) for p in pieces),
+            refused_segments=count - len(pieces),
+        )
+        stream.send_all([pack_header(Op.READ, Code.OK, count, rid) + statuses, *pieces], deadline)
 
     def _statuses(self, table: bytearray) -> tuple[bytearray, int, int]:
         statuses = bytearray()

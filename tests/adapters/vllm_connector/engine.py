@@ -13,7 +13,8 @@ what both connector instances counted out), ``race`` (two prompts in one batch, 
 added once the first is waiting for its load: which finished first), ``batch`` (requests
 added at given steps, each one's time to first token, finish and longest gap between
 tokens; for benchmarks), ``keys`` (the kvfabric
-keys of a prompt's full blocks, computed the way the connector computes them), ``flush``
+keys of a prompt's full blocks, computed the way the connector computes them),
+``block_hashes`` (the prompt's full blocks as vLLM's KV events name them), ``flush``
 (wait for background saves), ``stats`` (what vLLM's stat loggers got from the connector
 since the last ``stats``: its "KV Transfer metrics" log lines and its Prometheus metrics),
 ``counters`` (both connectors' counters now), ``set_load_timeout`` and ``quit``. One engine
@@ -317,6 +318,14 @@ class Engine:
         keys = self.scheduler_connector.keys_for(probe.block_hashes, probe.cache_salt)
         assert keys == self.worker_connector.keys_for(probe.block_hashes, probe.cache_salt)
         return {"keys": [k.hex() for k in keys]}
+
+    def block_hashes(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The prompt's full blocks as vLLM's own KV events name them (hex of the bytes, or
+        the integer under ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        hashes = [maybe_convert_block_hash(h) for h in self._request(request).block_hashes]
+        return {"hashes": [h.hex() if isinstance(h, bytes) else h for h in hashes]}
 
     def lookup(self, request: dict[str, Any]) -> dict[str, Any]:
         """Ask the scheduler-side connector about a prompt ``repeat`` times, as vLLM may."""

@@ -115,3 +115,63 @@ def test_a_lookup_the_index_does_not_answer_is_not_yet_and_never_holds_the_sched
     finally:
         index.gate.set()
         harness.close()
+
+
+class QueuedLookups:
+    """A store whose lookups each wait for the test's go, in order: a lookup that is still
+    running when the next request of the step is asked about."""
+
+    def __init__(self, store: kvfabric.Store) -> None:
+        self.store = store
+        self.go = threading.Semaphore(0)
+
+    def batched_contains(self, keys: Sequence[bytes]) -> int:
+        assert self.go.acquire(timeout=60), "the test never let the lookup go"
+        return self.store.batched_contains(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def test_a_step_s_requests_queued_behind_a_running_lookup_still_get_their_answers() -> None:
+    # A generous wait, spent only while lookups run: a healthy index answers every new
+    # request of the step, also one asked while another's lookup is still under way.
+    harness = Harness(wrap=QueuedLookups, lookup_wait=60.0)
+    index = harness.scheduler_store
+    try:
+        requests = [vllm_request(6 * BS + 1, seed=s) for s in range(4)]
+        harness.store(requests[0], range(0, 6))
+        for _ in requests:
+            index.go.release()
+        answers = [harness.side.get_num_new_matched_tokens(r, 0) for r in requests]
+        assert answers == [6 * BS, 0, 0, 0]
+        assert harness.side.counters.snapshot()["lookup_deferrals"] == 0
+    finally:
+        harness.close()
+
+
+def test_a_step_whose_wait_is_spent_answers_not_yet_at_once_until_the_next_step() -> None:
+    harness = Harness(wrap=HungIndex, lookup_wait=0.05)
+    index = harness.scheduler_store
+    try:
+        first, second = vllm_request(6 * BS + 1, seed=1), vllm_request(6 * BS + 1, seed=2)
+        assert harness.side.get_num_new_matched_tokens(first, 0) is None  # waited 50 ms
+        assert harness.side.get_num_new_matched_tokens(second, 0) is None  # at once
+        assert harness.side.counters.snapshot()["lookup_deferrals"] == 2
+        index.gate.set()
+        answers: dict[str, int | None] = {}
+
+        def answered() -> bool:
+            harness.side.build_connector_meta(step())  # each step a fresh budget
+            for request in (first, second):
+                if answers.get(request.request_id) is None:
+                    answers[request.request_id] = harness.side.get_num_new_matched_tokens(
+                        request, 0
+                    )
+            return None not in answers.values()
+
+        wait_for("both lookups answered in later steps", answered)
+        assert answers == {first.request_id: 0, second.request_id: 0}
+    finally:
+        index.gate.set()
+        harness.close()

@@ -27,6 +27,7 @@ from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
 
 import kvfabric
+from kvfabric.adapters.vllm_events import EngineView
 from kvfabric.adapters.vllm_keys import KeySpace, Rank
 from kvfabric.adapters.vllm_metadata import KVFabricHandshake, KVFabricMetadata, Transfer
 from kvfabric.adapters.vllm_scheduler import (
@@ -144,6 +145,7 @@ def test_lookup_costs_no_control_rpc_and_counts_blocks_every_rank_holds(
         "lookup_blocks": 10,
         "lookup_hit_blocks": 6,
         "lookup_control_rpcs": 0,  # the store answers from its index's lookup image
+        "lookup_deferrals": 0,
         "hit_blocks": 0,  # counted when vLLM admits the request
         "miss_blocks": 0,
         "invalid_blocks_reported": 0,
@@ -236,6 +238,12 @@ def test_saves_skip_the_hits_and_offer_each_newly_full_block_once(harness: Harne
             cache_salt=None,
             block_hashes=tuple(request.block_hashes[6:10]),
             block_ids=(106, 107, 108, 109),
+            # vLLM's view of the saved blocks, for the tier's KV events.
+            engine=EngineView(
+                parent=request.block_hashes[5],
+                token_ids=tuple(request.all_token_ids[6 * BS : 10 * BS]),
+                block_size=BS,
+            ),
         )
     ]
     request.num_computed_tokens += rest

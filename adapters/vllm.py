@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 
 import kvfabric
 from kvfabric.errors import ConfigError
-from kvfabric.spi import parse_duration
 
 # Typed where vLLM and torch are installed; Any where they are not (kvfabric's lint env).
 try:
@@ -57,6 +56,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from kvfabric.adapters.vllm_keys import KeySpace, Rank, block_keys, engine_parts
 from kvfabric.adapters.vllm_metadata import KVFabricHandshake, KVFabricMetadata
+from kvfabric.adapters.vllm_options import bytes_option, seconds_option
 from kvfabric.adapters.vllm_scheduler import (
     DEFAULT_LOOKUP_WAIT,
     SchedulerSide,
@@ -135,7 +135,7 @@ class KVFabricConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
                 block_size=block_size,
                 ranks_expected=parallel.pipeline_parallel_size * parallel.tensor_parallel_size,
                 block_ids_of=self._block_ids_of,
-                lookup_wait=_seconds(
+                lookup_wait=seconds_option(
                     extra.get("lookup_wait", DEFAULT_LOOKUP_WAIT), "lookup_wait", zero=True
                 ),
             )
@@ -144,8 +144,10 @@ class KVFabricConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
                 keyspace=keyspace,
                 store=_open(url) if enabled else None,
                 enabled=enabled,
-                max_pending_save_bytes=int(extra.get("max_pending_save_bytes", 1 << 30)),
-                load_timeout=_seconds(
+                max_pending_save_bytes=bytes_option(
+                    extra.get("max_pending_save_bytes", 1 << 30), "max_pending_save_bytes"
+                ),
+                load_timeout=seconds_option(
                     extra.get("load_timeout", DEFAULT_LOAD_TIMEOUT), "load_timeout"
                 ),
             )
@@ -337,21 +339,6 @@ def _supported(kv_cache_config: KVCacheConfig, block_size: int) -> bool:
             vllm.__version__,
         )
     return True
-
-
-def _seconds(value: Any, name: str, *, zero: bool = False) -> float:
-    """``value`` as seconds (a number, or a duration such as "500ms"): more than 0, or at
-    least 0 with ``zero``; ConfigError if not."""
-    try:
-        seconds = parse_duration(value)
-    except (ConfigError, TypeError):
-        seconds = -1.0
-    if seconds < 0 or (seconds == 0 and not zero):
-        least = "a duration of 0 or more" if zero else "a positive duration"
-        raise ConfigError(
-            f"KVFabricConnector: {name} must be {least} (2, 2s, 500ms), not {value!r}"
-        )
-    return seconds
 
 
 def _open(url: str) -> kvfabric.Store | None:

@@ -43,6 +43,7 @@ from kvfabric._runtime.huge_pages import (
     shmem_huge_policy,
 )
 from kvfabric._runtime.regions import region_sizes, release_mappings
+from kvfabric._runtime.step_log import StepLog
 from kvfabric.errors import ConfigError, PluginUnavailableError
 from kvfabric.spi import (
     Backend,
@@ -132,8 +133,14 @@ class DramBackend(Backend):
         return self._pages[1]
 
     def _prefault(self) -> None:
+        total = sum(r.size for r in self._regions)
         try:
-            self.prefault_seconds = prefault_all([r.view for r in self._regions])
+            with StepLog(
+                log, f"preparing {format_size(total)} of memory (dram.prefault)", total=total
+            ) as step:
+                self.prefault_seconds = prefault_all(
+                    [r.view for r in self._regions], progress=step.advance
+                )
         except OSError as exc:
             raise ConfigError(
                 f"dram backend: cannot allocate {format_size(sum(r.size for r in self._regions))}"

@@ -61,6 +61,7 @@ from kvfabric._runtime.bounds import MAX_DURATION, bounded
 from kvfabric._runtime.buffers import prefault_all
 from kvfabric._runtime.region_files import RegionFiles, copy_on_write_filesystem, free_bytes
 from kvfabric._runtime.regions import region_sizes, release_mappings
+from kvfabric._runtime.step_log import StepLog
 from kvfabric.errors import ConfigError, PluginUnavailableError
 from kvfabric.spi import (
     SLOT_ALIGN,
@@ -140,10 +141,22 @@ class FileBackend(Backend):
             paths = [_region_file(self.directory, i) for i in range(len(sizes))]
             _check_room(files, paths, sizes)
             _warn_if_copy_on_write(self.directory)
-            for path, size in zip(paths, sizes, strict=True):
-                self._regions.append(self._open_region(files, path, size))
+            total = sum(sizes)
+            with StepLog(
+                log, f"reserving {format_size(total)} of files in {self.directory}", total=total
+            ) as step:
+                for path, size in zip(paths, sizes, strict=True):
+                    self._regions.append(self._open_region(files, path, size))
+                    step.advance(size)
             if prefault:
-                self.prefault_seconds = prefault_all([r.view for r in self._regions])
+                with StepLog(
+                    log,
+                    f"preparing {format_size(total)} of mapped files (file.prefault)",
+                    total=total,
+                ) as step:
+                    self.prefault_seconds = prefault_all(
+                        [r.view for r in self._regions], progress=step.advance
+                    )
                 log.debug(
                     "kvfabric file backend: %s at %s prefaulted in %.2f s",
                     format_size(sum(r.size for r in self._regions)),

@@ -8,6 +8,7 @@ Native exceptions are mapped at the transport boundary: ``raise TransportError(.
 from __future__ import annotations
 
 __all__ = [
+    "AuthenticationError",
     "ConfigError",
     "ControllerUnavailableError",
     "InvalidKeyError",
@@ -86,6 +87,11 @@ class TransportTimeoutError(TransportError, TimeoutError):
 
 class ControllerUnavailableError(KvfabricError, ConnectionError):
     """The controller cannot be reached; lookups read as misses and puts are dropped."""
+
+
+class AuthenticationError(ControllerUnavailableError, PermissionError):
+    """The controller refused this process's secret (a different one, none where it needs
+    one, or one where it has none); the message says which and what to change."""
 
 
 class RegistrationInterruptedError(ControllerUnavailableError):

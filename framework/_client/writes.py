@@ -30,6 +30,7 @@ from kvfabric._client.carved_writes import CarvedWrites
 from kvfabric._client.engine_blocks import Blocks, blocks_for, described
 from kvfabric._client.index_calls import IndexCalls
 from kvfabric._client.key_checks import check_keys
+from kvfabric._client.no_space_hint import NoSpaceHint
 from kvfabric._client.prefetch import PrefetchCache
 from kvfabric._client.put_outcome import PutOutcome
 from kvfabric._client.record_io import RecordIO, value_pieces
@@ -86,6 +87,7 @@ class Writes:
         self._counters = counters
         self._max_value = max_value
         self._carved = carved
+        self._no_space_hint = NoSpaceHint(calls)
 
     def put(
         self,
@@ -132,6 +134,8 @@ class Writes:
             self._counters.add("no_space", -len(left))
             for i, outcome in zip(left, again, strict=True):
                 outcomes[i] = outcome
+        if not progress and PutOutcome.NO_SPACE in outcomes:
+            self._no_space_hint.after_no_space()
         return outcomes
 
     def _rounds(

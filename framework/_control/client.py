@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import zmq
 
+from kvfabric._control.handshake import HandshakeProbe
 from kvfabric._control.security import Credentials
 from kvfabric._control.session import ControlSession
 from kvfabric._runtime import forks
@@ -40,12 +41,21 @@ from kvfabric._wire.protocol import (
     encode,
     read_error,
 )
-from kvfabric.errors import ControllerUnavailableError, ProtocolError, RemoteError
+from kvfabric.errors import (
+    AuthenticationError,
+    ControllerUnavailableError,
+    ProtocolError,
+    RemoteError,
+)
 
 __all__ = ["IDLE_SOCKETS", "ControlClient", "ControllerRefusedError", "UnknownNodeError"]
 
 IDLE_SOCKETS = 4
 """Idle control sockets a client keeps for the next calls (each holds two fds)."""
+
+_PROBE_AFTER_MS = 200
+# A fresh socket normally connects well within this; one that has not is joined by a
+# handshake probe, which only words the error (see kvfabric._control.handshake).
 
 
 class ControllerRefusedError(RemoteError):
@@ -84,6 +94,9 @@ class ControlClient:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._down_until = 0.0
+        self._down_error: ControllerUnavailableError | None = None
+        """Why the last unanswered call got no answer (the probe's finding), repeated by
+        the calls that fail fast after it."""
         self._closed = False
         self._generation = forks.generation()
 
@@ -115,11 +128,40 @@ class ControlClient:
         """Raise :class:`ControllerUnavailableError` while the controller is taken for
         down (for ``retry_interval`` after a call it did not answer)."""
         if time.monotonic() < self._down_until:
-            raise ControllerUnavailableError(f"controller {self.endpoint} is down (retrying)")
+            down = self._down_error
+            if down is None:
+                raise ControllerUnavailableError(f"controller {self.endpoint} is down (retrying)")
+            raise type(down)(f"{down} (retrying)")
 
     def mark_down(self) -> None:
         """The controller did not answer: calls fail fast for ``retry_interval``."""
         self._down_until = time.monotonic() + self.retry_interval
+
+    def _wait_connected(self, sock: zmq.Socket[bytes], deadline: float) -> None:
+        """Wait until ``sock`` can send, or raise why it cannot: a socket still unconnected
+        after a short grace is joined by a probe (see :mod:`kvfabric._control.handshake`)
+        that tells a secret the controller refuses (at once, :class:`AuthenticationError`)
+        from a controller that is not there."""
+        if sock.poll(min(self._remaining_ms(deadline), _PROBE_AFTER_MS), zmq.POLLOUT):
+            return
+        probe = HandshakeProbe(self._context, self.endpoint, self._credentials)
+        try:
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLOUT)
+            poller.register(probe.monitor, zmq.POLLIN)
+            while (remaining := self._remaining_ms(deadline)) > 0:
+                ready = dict(poller.poll(remaining))
+                if sock in ready:
+                    return
+                probe.read()
+                if probe.refusal is not None:
+                    break
+            probe.read()
+            kind = ControllerUnavailableError if probe.refusal is None else AuthenticationError
+            self._down_error = kind(probe.finding())
+            raise self._down_error
+        finally:
+            probe.close()
 
     def next_request_id(self) -> int:
         return next(self._ids)
@@ -174,6 +216,7 @@ class ControlClient:
         if self._generation != forks.generation():
             self._after_fork()
         self.check_up()
+        self._down_error = None
         now = time.monotonic()
         request_id = next(self._ids)
         limit = self.timeout if timeout is None else timeout
@@ -185,9 +228,9 @@ class ControlClient:
                 sock.send(frame, zmq.NOBLOCK)
             except zmq.Again:
                 # Not connected (yet): the socket never queues for an absent controller.
-                wait = self._remaining_ms(deadline) if wait_connect else 0
-                if not sock.poll(wait, zmq.POLLOUT):
+                if not wait_connect:
                     raise ControllerUnavailableError(f"no controller at {self.endpoint}") from None
+                self._wait_connected(sock, deadline)
                 sock.send(frame, zmq.NOBLOCK)
             while True:
                 if not sock.poll(self._remaining_ms(deadline), zmq.POLLIN):
@@ -208,6 +251,7 @@ class ControlClient:
             raise
         self._checkin(sock)
         self._down_until = 0.0
+        self._down_error = None
         return self.answer(msg_type, header, reader)
 
     def answer(self, msg_type: MsgType, header: Header, reader: Reader) -> Reader:

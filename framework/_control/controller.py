@@ -46,6 +46,7 @@ from typing import Any
 
 import zmq
 
+from kvfabric._control.auth_monitor import RefusalMonitor
 from kvfabric._control.client_requests import CLIENT_TYPES, ClientRequests
 from kvfabric._control.client_usage import ClientUsage
 from kvfabric._control.image_publisher import ImagePublisher
@@ -122,6 +123,13 @@ class Controller:
         self._upkeep_logged: dict[str, float] = {}
         """Upkeep step -> when a failure of it may be logged again."""
         self._stopping = threading.Event()
+        self.serving = threading.Event()
+        """Set while the request loop runs (bound, answering)."""
+        self._refusals: RefusalMonitor | None = None
+        """Counts the handshakes the control socket refused (a secret problem)."""
+        self.index_failure: str | None = None
+        """Why the index's last upkeep tick failed (its store unreachable, say); None
+        while ticks succeed. Read by the readiness check."""
         self._freeze_long_lived = freeze_long_lived
         self._image = ImagePublisher(index, image_servers or {})
         self._tenants = tenants
@@ -191,6 +199,10 @@ class Controller:
         # Bounds on what a peer can make this process hold, set before it can connect.
         sock.maxmsgsize = self.max_frame
         sock.rcvhwm = RECEIVE_QUEUE
+        # Refused handshakes never reach the loop: counted and logged from the socket's
+        # monitor events instead.
+        refusals = RefusalMonitor(sock, secured=self._credentials is not None)
+        self._refusals = refusals
         try:
             if self._credentials is not None:
                 authenticator = self._start_authenticator(context)
@@ -203,8 +215,11 @@ class Controller:
             log.info("controller listening on %s (epoch %x)", self.endpoint, self.epoch)
             if ready is not None:
                 ready(self.endpoint)
+            self.serving.set()
             self._loop(sock)
         finally:
+            self.serving.clear()
+            refusals.close()
             sock.close(linger=0)
             if authenticator is not None:
                 authenticator.stop()
@@ -313,7 +328,9 @@ class Controller:
         tick would flood the log), and the loop goes on serving."""
         try:
             step()
-        except Exception:
+        except Exception as exc:
+            if name == "tick":
+                self.index_failure = f"{type(exc).__name__}: {exc}"
             self._counters["upkeep_errors"] += 1
             now = time.monotonic()
             if now >= self._upkeep_logged.get(name, 0.0):
@@ -325,6 +342,10 @@ class Controller:
                     self._counters["upkeep_errors"],
                     UPKEEP_LOG_INTERVAL,
                 )
+            return
+        if name == "tick" and self.index_failure is not None:
+            log.warning("controller: the index's tick() succeeds again")
+            self.index_failure = None
 
     def _maintain(self) -> None:
         self._upkeep(self.index.tick, "tick")
@@ -373,6 +394,7 @@ class Controller:
             "nodes_dropped": 0,
             "nodes_deregistered": 0,
             **self._counters,
+            **(self._refusals.stats() if self._refusals is not None else {}),
             **self._reservations.stats(),
             # What later full collections no longer walk (see _freeze_gc).
             **({"gc_frozen_objects": gc.get_freeze_count()} if self._freeze_long_lived else {}),

@@ -7,6 +7,7 @@ On one-sided transports the node does nothing per read or write.
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import time
 import uuid
@@ -17,13 +18,17 @@ import numpy as np
 
 from kvfabric._plugins import PluginManager, PluginOptions, plugin_manager
 from kvfabric._runtime.record_scan import scan_records
+from kvfabric._runtime.step_log import StepLog
 from kvfabric.descriptor import DESCRIPTOR_DTYPE
 from kvfabric.errors import NotSupportedError
 from kvfabric.spi.backend import Backend, BackendConfig
 from kvfabric.spi.index import NodeInfo, RegionInfo
 from kvfabric.spi.transport import NodeEndpoint, RegionHandle, TransportConfig, TransportServer
+from kvfabric.spi.units import format_size
 
 __all__ = ["DataNode", "NodeScan"]
+
+log = logging.getLogger("kvfabric._node.node")
 
 
 @attrs.frozen(kw_only=True)
@@ -166,15 +171,21 @@ class DataNode:
         parts: list[np.ndarray] = []
         torn = 0
         scanned = 0
-        for region in self.backend.regions():
-            result = scan_records(region.view)
-            torn += result.torn
-            scanned += region.size
-            part = np.zeros(len(result.found), DESCRIPTOR_DTYPE)
-            for name in ("key", "offset", "length", "version", "crc"):
-                part[name] = result.found[name]
-            part["region"] = region.id
-            parts.append(part)
+        regions = self.backend.regions()
+        total = sum(r.size for r in regions)
+        with StepLog(
+            log, f"scanning {format_size(total)} of memory for the records it holds", total=total
+        ) as step:
+            for region in regions:
+                result = scan_records(region.view)
+                torn += result.torn
+                scanned += region.size
+                part = np.zeros(len(result.found), DESCRIPTOR_DTYPE)
+                for name in ("key", "offset", "length", "version", "crc"):
+                    part[name] = result.found[name]
+                part["region"] = region.id
+                parts.append(part)
+                step.advance(region.size)
         records = np.concatenate(parts) if parts else np.zeros(0, DESCRIPTOR_DTYPE)
         return NodeScan(
             records=records,

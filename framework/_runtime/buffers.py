@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -81,9 +81,15 @@ _PREFAULT_PIECE = 64 << 20
 _PREFAULT_THREADS = 8
 
 
-def prefault_all(views: Sequence[memoryview], *, threads: int | None = None) -> float:
+def prefault_all(
+    views: Sequence[memoryview],
+    *,
+    threads: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> float:
     """Fault in every page of ``views`` for writing, several threads at once; returns the
-    seconds it took.
+    seconds it took. ``progress`` is told the bytes of each piece done (e.g.
+    :meth:`kvfabric._runtime.step_log.StepLog.advance`, so a long start logs how far it got).
 
     What a data node does to its regions at start (as registering memory for RDMA would):
     the first write into a fresh page otherwise traps per 4 KiB page, which makes the first
@@ -103,10 +109,13 @@ def prefault_all(views: Sequence[memoryview], *, threads: int | None = None) -> 
     if workers <= 1:
         for piece in pieces:
             native.prefault(piece)
+            if progress is not None:
+                progress(piece.nbytes)
     else:
         with ThreadPoolExecutor(workers, thread_name_prefix="kvfabric-prefault") as pool:
-            for _ in pool.map(native.prefault, pieces):
-                pass
+            for piece, _ in zip(pieces, pool.map(native.prefault, pieces), strict=True):
+                if progress is not None:
+                    progress(piece.nbytes)
     for piece in pieces:
         piece.release()
     return time.monotonic() - started

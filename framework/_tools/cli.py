@@ -2,16 +2,22 @@
 
 Nothing here (nor in what ``demo``, ``bench`` and the server commands import) imports
 pytest or :mod:`kvfabric.testing`: the commands run on a plain ``pip install kvfabric``.
-Errors are one ``kvfabric: error: ...`` line on stderr and exit status 2.
+Errors are one ``kvfabric: error: ...`` line on stderr and exit status 2. Options come from
+flags, ``KVFABRIC_*`` variables and ``--config FILE``, in that order of precedence
+(:mod:`kvfabric._tools.config_sources`). Output into a pipe closed early (``| head``) ends
+the command quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
+from kvfabric import __version__
 from kvfabric._tools.bench_cli import add_bench_arguments
+from kvfabric._tools.config_sources import apply_sources, commands_of
 from kvfabric._tools.server_options import (
     HelpFormatter,
     add_controller_address,
@@ -20,9 +26,12 @@ from kvfabric._tools.server_options import (
     add_shared_index_options,
     add_timeout_option,
 )
-from kvfabric.errors import ControllerUnavailableError, KvfabricError
+from kvfabric.errors import AuthenticationError, ControllerUnavailableError, KvfabricError
 
 __all__ = ["build_parser", "main"]
+
+_SIGPIPE_STATUS = 141
+"""What a shell reports for a command ended by SIGPIPE (128 + 13), as `head` leaves it."""
 
 _DEMO_DESCRIPTION = """\
 An LMCache-like workload against a store, in about a second on the default embedded
@@ -137,11 +146,13 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     )
     try:
         scopes = fetch_stats(client)
+    except AuthenticationError:
+        raise  # its message says what to change
     except ControllerUnavailableError as exc:
         secured = " and the same secret" if secret else ""
         raise ControllerUnavailableError(
-            f"{exc}; is a controller (`kvfabric controller` or `kvfabric serve`) running "
-            f"there? Give its address with --controller HOST:PORT{secured}"
+            f"{exc} (`kvfabric controller` or `kvfabric serve` runs one; give its address "
+            f"with --controller HOST:PORT{secured})"
         ) from None
     finally:
         client.close()
@@ -188,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="A remote KV-cache tier for LLM serving.",
         epilog="`kvfabric COMMAND --help` describes each command, its options and defaults.",
     )
+    parser.add_argument("--version", action="version", version=f"kvfabric {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser(
@@ -254,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_controller_address(stats, "127.0.0.1:7100")
     add_shared_index_options(stats, "read")
     add_secret_option(stats)
-    add_timeout_option(stats, "bound on the controller's answer")
+    add_timeout_option(stats)
     stats.add_argument(
         "--format",
         choices=("table", "prometheus", "json"),
@@ -262,11 +274,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="a table, Prometheus text exposition, or JSON",
     )
     stats.set_defaults(func=_cmd_stats)
+    for command in commands_of(parser).values():
+        command.add_argument(
+            "--config",
+            default=None,
+            metavar="FILE",
+            help="read options from this TOML file: keys named as the options "
+            '(capacity = "64GiB"), at the top level or in a table per command ([node]); '
+            "every option can also be set as KVFABRIC_NAME (--foo-bar: KVFABRIC_FOO_BAR). "
+            "Flags win over the environment, the environment over the file "
+            "(default: $KVFABRIC_CONFIG)",
+        )
     return parser
 
 
 class _DemoFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults shown, and the description's paragraphs kept as written."""
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command's options from its flags, then ``KVFABRIC_*`` variables, then its
+    ``--config`` file (see :mod:`kvfabric._tools.config_sources`)."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    first = parser.parse_args(argv)
+    fill = apply_sources(parser, first.command, first.config)
+    args = parser.parse_args(argv)
+    fill(args)
+    for warning in getattr(args, "deprecations", []):
+        print(f"kvfabric: warning: {warning}", file=sys.stderr)
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -280,13 +317,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KvfabricError as exc:
             print(f"kvfabric: error: {exc}", file=sys.stderr)
             return 2
-    args = build_parser().parse_args(given)
+    try:
+        args = _parse(given)
+    except KvfabricError as exc:
+        print(f"kvfabric: error: {exc}", file=sys.stderr)
+        return 2
     if hasattr(args, "log_level"):
         from kvfabric._tools.server_run import configure_logging
 
         configure_logging(args.log_level)
     try:
-        return int(args.func(args))
+        status = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe is found here, not at exit
+        return status
+    except BrokenPipeError:
+        # The reader went away (`kvfabric stats | head`): stop quietly, as Unix tools do.
+        # Python would otherwise flush stdout again at exit, and fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return _SIGPIPE_STATUS
     except KvfabricError as exc:
         print(f"kvfabric: error: {exc}", file=sys.stderr)
         return 2

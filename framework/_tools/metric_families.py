@@ -104,8 +104,16 @@ _REQUESTS = _c(
     "resolve, allocate, publish, heartbeat, touch, usage, ...).",
     "operation",
 )
-_CONTROLLER_SUMS = frozenset({"rpcs", "node_rpcs", "touch_rpcs", "usage_rpcs"})
-"""Sums of ``rpc_*`` by kind: ``kvfabric stats`` shows them, the metrics sum by label."""
+_CONTROLLER_SUMS = frozenset({"rpcs", "node_rpcs", "touch_rpcs", "usage_rpcs", "auth_refused"})
+"""Sums of ``rpc_*`` by kind and of ``auth_refused_*`` by reason: ``kvfabric stats`` shows
+them, the metrics sum by label."""
+_AUTH_REFUSED = _c(
+    "controller_auth_refused",
+    "Control connections whose handshake the controller refused, by reason: wrong_secret "
+    "(the client's secret differs), no_secret (the client has none), unexpected_secret "
+    "(the client has one, the controller none), other.",
+    "reason",
+)
 
 _CONTROLLER: dict[str, _Spec] = {
     "bad_frames": _c("controller_bad_frames", "Frames the controller could not decode."),
@@ -368,7 +376,16 @@ _NODE: dict[str, _Spec] = {
         "node_huge_page_bytes", "Bytes of this node's regions mapped by huge pages.", "node"
     ),
     "registered": _g(
-        "node_registered", "1 while this node is registered with its index, else 0.", "node"
+        "node_registered",
+        "1 while this node is registered and its controller (or shared index) answers its "
+        "heartbeats, else 0.",
+        "node",
+    ),
+    "heartbeat_failures": _c(
+        "node_heartbeat_failures",
+        "Heartbeats and registrations of this node that its controller (or shared index) did "
+        "not answer.",
+        "node",
     ),
 }
 _TRANSPORT_HELP = {
@@ -485,6 +502,8 @@ def _controller(out: _Families, counters: dict[str, int], image: bool) -> None:
             continue
         if counter.startswith("rpc_"):
             out.add(_REQUESTS, [counter.removeprefix("rpc_")], value)
+        elif counter.startswith("auth_refused_"):
+            out.add(_AUTH_REFUSED, [counter.removeprefix("auth_refused_")], value)
         elif counter in _CONTROLLER:
             out.add(_CONTROLLER[counter], [], value)
         elif counter.startswith("image_"):

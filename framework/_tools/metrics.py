@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
@@ -30,6 +30,8 @@ from prometheus_client.registry import Collector
 
 from kvfabric import __version__
 from kvfabric._tools.endpoints import listen_error
+from kvfabric._tools.health import Health
+from kvfabric._tools.http_server import EndpointServer
 from kvfabric._tools.metric_families import Scopes, families
 from kvfabric.errors import KvfabricError
 
@@ -104,19 +106,23 @@ def exposition(scopes: Scopes) -> str:
 
 
 class MetricsServer:
-    """An HTTP endpoint Prometheus scrapes: ``http://HOST:PORT/metrics`` (port 0: any)."""
+    """An HTTP endpoint Prometheus scrapes: ``http://HOST:PORT/metrics`` (port 0: any),
+    beside ``/healthz`` and ``/readyz`` (``health``'s checks; none given: always ready).
+    See :mod:`kvfabric._tools.http_server`."""
 
-    def __init__(self, collector: Collector, host: str, port: int) -> None:
+    def __init__(
+        self, collector: Collector, host: str, port: int, health: Health | None = None
+    ) -> None:
         registry = CollectorRegistry()
         registry.register(collector)
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+            self._server = EndpointServer(registry, health or Health(), host, port)
         except OSError as exc:
             raise listen_error(
                 "the metrics endpoint", f"{host}:{port}", exc.errno, str(exc), "--metrics-port"
             ) from exc
         self.host = host
-        self.port = int(self._server.server_port)
+        self.port = self._server.port
 
     @property
     def url(self) -> str:
@@ -124,6 +130,4 @@ class MetricsServer:
         return f"http://{host}:{self.port}/metrics"
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        self._server.close()

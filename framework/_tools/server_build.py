@@ -28,6 +28,7 @@ from kvfabric._node.membership import ControllerMembership, IndexMembership, Mem
 from kvfabric._node.node import DataNode
 from kvfabric._plugins import PluginOptions, group_plugin_options, plugin_manager
 from kvfabric._runtime.bounds import MAX_DURATION, bounded, check_host
+from kvfabric._tools.advertise import advertised_host, route_target
 from kvfabric._tools.endpoints import control_endpoint, listen_error
 from kvfabric.errors import ConfigError, TransportError
 from kvfabric.spi.backend import BackendConfig
@@ -216,14 +217,29 @@ def _transport_config(
     credentials: Credentials | None,
     tenants: list[TenantSpec] | None = None,
 ) -> TransportConfig:
+    host = check_host(args.host, "--host")
+    advertise = None if args.advertise is None else check_host(args.advertise, "--advertise")
     return TransportConfig(
-        host=check_host(args.host, "--host"),
-        advertise=None if args.advertise is None else check_host(args.advertise, "--advertise"),
+        host=host,
+        advertise=advertised_host(host, advertise, _route_toward(args)),
         port=args.port,
-        timeout=duration(args.timeout, "--timeout"),
         token=credentials.data_token if credentials else b"",
         tenant_tokens=tuple((t.keys.data_token, t.keys.tag) for t in tenants or ()),
     )
+
+
+def _route_toward(args: argparse.Namespace) -> str | None:
+    """The host a server's peers are most likely reached through: a node's controller or
+    shared index, a controller's own --listen address (None: the default route)."""
+    if getattr(args, "index", None) == "redis" and not hasattr(args, "listen"):
+        for option in getattr(args, "index_opt", []):
+            name, _, value = option.partition("=")
+            if name == "redis.url":
+                return route_target(value)
+        return route_target("redis://127.0.0.1:6379")
+    if hasattr(args, "listen"):
+        return route_target(args.listen)
+    return route_target(getattr(args, "controller", None))
 
 
 def _transport_failure(exc: TransportError, args: argparse.Namespace, what: str) -> Exception:
@@ -291,6 +307,12 @@ def node_from(
     # Checked before any region is allocated: a capacity this machine cannot give fails
     # here with what to do, not halfway through allocation.
     check_capacity(capacity, region_size, plugin_manager().backend(args.backend))
+    if args.path is not None and args.backend == "dram":
+        raise ConfigError(
+            f"--path {args.path} is where a file-backed node keeps its memory, but the backend "
+            "is dram (memory only): add --backend file to keep it in files there, or drop "
+            "--path"
+        )
     transports = [t.strip() for t in args.transport.split(",") if t.strip()]
     if not transports or transports == ["none"]:
         raise ConfigError(

@@ -10,8 +10,11 @@ command runs, so ``--help`` loads neither.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 __all__ = [
+    "TIMEOUT_HELP",
+    "DeprecatedAlias",
     "HelpFormatter",
     "add_controller_address",
     "add_secret_option",
@@ -134,9 +137,39 @@ _TENANTS_HELP = (
 )
 
 
-def add_timeout_option(parser: argparse.ArgumentParser, help: str) -> None:
-    """``--timeout``: what it bounds is the command's own (``help``)."""
-    parser.add_argument("--timeout", default="2s", metavar="DURATION", help=help)
+TIMEOUT_HELP = (
+    "how long to wait for one answer from the controller (or the shared index) before "
+    "taking it for away"
+)
+
+
+def add_timeout_option(parser: argparse.ArgumentParser) -> None:
+    """``--timeout``: one meaning wherever it is taken (:data:`TIMEOUT_HELP`)."""
+    parser.add_argument("--timeout", default="2s", metavar="DURATION", help=TIMEOUT_HELP)
+
+
+class DeprecatedAlias(argparse.Action):
+    """An old spelling of an option, hidden from ``--help``: it still sets the option
+    (``dest``), and leaves a warning naming the spelling to use instead in the namespace's
+    ``deprecations`` (the command prints it once, on stderr)."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, instead: str, **kwargs: Any):
+        super().__init__(option_strings, dest, **kwargs)
+        self.instead = instead
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        warnings = list(getattr(namespace, "deprecations", []))
+        warnings.append(
+            f"`{parser.prog} {option_string}` is deprecated; use {self.instead} (the same value)"
+        )
+        namespace.deprecations = warnings
+        setattr(namespace, self.dest, values)
 
 
 def _add_transports(parser: argparse.ArgumentParser, help: str) -> None:
@@ -314,23 +347,34 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
         help="how often the node reports to the controller (keep it well under the "
         "controller's --node-timeout)",
     )
-    add_timeout_option(parser, "bound on one control round trip")
+    add_timeout_option(parser)
 
 
-def _add_metrics_options(parser: argparse.ArgumentParser) -> None:
+def _add_metrics_options(parser: argparse.ArgumentParser, *, controller: bool) -> None:
+    """``--metrics-port`` and ``--metrics-host``; with ``controller`` (whose scrapes ask
+    the controller for its counters) ``--metrics-timeout``."""
     parser.add_argument(
         "--metrics-port",
         type=_port,
         default=None,
         metavar="PORT",
-        help="serve Prometheus metrics on http://METRICS_HOST:PORT/metrics (0: any free "
-        "port, printed at start-up; default: no endpoint)",
+        help="serve Prometheus metrics on http://METRICS_HOST:PORT/metrics, and /healthz "
+        "(alive) and /readyz (ready to serve) beside them (0: any free port, printed at "
+        "start-up; default: no endpoint)",
     )
     parser.add_argument(
         "--metrics-host",
         default="127.0.0.1",
         metavar="HOST",
         help="address the metrics endpoint binds (0.0.0.0 for all interfaces)",
+    )
+    if not controller:
+        return
+    parser.add_argument(
+        "--metrics-timeout",
+        default="2s",
+        metavar="DURATION",
+        help="how long a scrape of the controller's endpoint waits for its counters",
     )
 
 
@@ -379,9 +423,14 @@ def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     _add_kv_events_options(controller)
     _add_tenants_option(controller, _TENANTS_HELP)
     _add_image_options(controller)
-    _add_metrics_options(controller)
-    add_timeout_option(
-        controller, "bound on the metrics endpoint's request for the controller's counters"
+    _add_metrics_options(controller, controller=True)
+    controller.add_argument(
+        "--timeout",
+        dest="metrics_timeout",
+        action=DeprecatedAlias,
+        instead="--metrics-timeout",
+        metavar="DURATION",
+        help=argparse.SUPPRESS,
     )
     _add_common(controller)
     controller.set_defaults(func=_run_controller)
@@ -402,7 +451,7 @@ def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         "the controller's tenants file: this node's tcp port then also admits each tenant's "
         "clients (by their tenant's secret)",
     )
-    _add_metrics_options(node)
+    _add_metrics_options(node, controller=False)
     _add_common(node)
     node.set_defaults(func=_run_node)
 
@@ -417,6 +466,6 @@ def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     _add_kv_events_options(serve)
     _add_tenants_option(serve, _TENANTS_HELP)
     _add_node_options(serve)
-    _add_metrics_options(serve)
+    _add_metrics_options(serve, controller=True)
     _add_common(serve)
     serve.set_defaults(func=_run_serve)

@@ -32,7 +32,9 @@ from kvfabric._node.agent import NodeAgent
 from kvfabric._node.membership import Membership
 from kvfabric._node.node import DataNode
 from kvfabric._runtime.bounds import check_host
+from kvfabric._tools.advertise import WILDCARD_HOSTS, advertised_host
 from kvfabric._tools.endpoints import listen_error
+from kvfabric._tools.health import Health
 from kvfabric._tools.metrics import MetricsServer, Scopes, ScopesCollector
 from kvfabric._tools.server_build import (
     close_servers,
@@ -48,7 +50,8 @@ from kvfabric._tools.server_build import (
     plugin_settings,
     tenants_from,
 )
-from kvfabric.errors import KvfabricError
+from kvfabric._tools.server_health import add_controller_checks, add_node_checks
+from kvfabric.errors import ConfigError, KvfabricError
 from kvfabric.spi.units import format_size
 
 __all__ = ["configure_logging", "run_controller", "run_node", "run_serve"]
@@ -132,7 +135,12 @@ def _tenant_words(
 
 
 def _host_port(endpoint: str) -> str:
+    """``HOST:PORT`` of ``endpoint`` as clients use it: a wildcard bind (0.0.0.0) shows
+    this host's address on the default route instead."""
     host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if host in WILDCARD_HOSTS:
+        with contextlib.suppress(ConfigError):
+            host = advertised_host(host, None, None) or host
     return f"{host}:{port}"
 
 
@@ -149,7 +157,7 @@ def _controller_stats(endpoint: Callable[[], str], args: argparse.Namespace) -> 
     them. A client per scrape: scrapes are seconds apart and each runs on its own thread."""
     client = ControlClient(
         endpoint(),
-        timeout=duration(args.timeout, "--timeout"),
+        timeout=duration(args.metrics_timeout, "--metrics-timeout"),
         credentials=credentials_from(args),
     )
     try:
@@ -163,19 +171,21 @@ def _metrics(
     args: argparse.Namespace,
     fetch: Callable[[], Scopes],
     source: str,
+    health: Health,
     *,
     nodes: bool = True,
     image: bool = True,
 ) -> Iterator[str]:
-    """Serve ``fetch``'s counters on ``--metrics-port`` if given; yields the ready-line part.
-    ``nodes``/``image``: whether this process exports its nodes' and its lookup image's
-    servers' counters (each value by the process that owns it)."""
+    """Serve ``fetch``'s counters, ``/healthz`` and ``/readyz`` (``health``) on
+    ``--metrics-port`` if given; yields the ready-line part. ``nodes``/``image``: whether
+    this process exports its nodes' and its lookup image's servers' counters (each value by
+    the process that owns it)."""
     if args.metrics_port is None:
         yield ""
         return
     host = check_host(args.metrics_host, "--metrics-host")
     collector = ScopesCollector(fetch, source, nodes=nodes, image=image)
-    server = MetricsServer(collector, host, args.metrics_port)
+    server = MetricsServer(collector, host, args.metrics_port, health)
     try:
         yield f"; metrics at {server.url}"
     finally:
@@ -183,17 +193,17 @@ def _metrics(
 
 
 def _controller_metrics(
-    args: argparse.Namespace, controller: Controller, *, serve: bool = False
+    args: argparse.Namespace, controller: Controller, health: Health
 ) -> AbstractContextManager[str]:
-    """The controller's counters (asked of it once it is bound) on ``--metrics-port``: a
-    controller's own, or in ``serve`` its node's too, without the image's servers (they are
-    the node's)."""
+    """A controller's own counters (asked of it once it is bound) on ``--metrics-port``,
+    with its readiness checks."""
+    add_controller_checks(health, controller)
     return _metrics(
         args,
         lambda: _controller_stats(lambda: controller.endpoint, args),
         "the controller",
-        nodes=serve,
-        image=not serve,
+        health,
+        nodes=False,
     )
 
 
@@ -216,11 +226,13 @@ def _announce_waiting(agent: NodeAgent, membership: Membership, secured: bool) -
         return
     hint = " with the same secret" if secured else ""
     while True:
+        cause = f"{agent.last_failure}; " if agent.last_failure else ""
         log.warning(
             "waiting for %s to register this node (%.0fs so far; the "
-            "node is not used until then); %s%s?",
+            "node is not used until then): %s%s%s?",
             membership.where,
             time.monotonic() - started,
+            cause,
             membership.check_hint,
             hint,
         )
@@ -248,7 +260,7 @@ def run_controller(args: argparse.Namespace) -> int:
             kv_events = kv_events_from(args)
             controller = controller_from(args, credentials, index, servers, tenants, kv_events)
             settings.check_all_claimed("controller")
-            with _controller_metrics(args, controller) as metrics:
+            with _controller_metrics(args, controller, Health()) as metrics:
                 _stop_on_signals(controller.stop)
                 _serve_controller(
                     controller,
@@ -274,51 +286,61 @@ def run_node(args: argparse.Namespace) -> int:
     credentials = credentials_from(args)
     tenants = tenants_from(args)
     membership, shared_index = membership_from(args, credentials)
-    try:
-        node = node_from(args, credentials, plugin_settings(args, index=False), tenants)
-    except BaseException:
-        membership.close()
-        raise
+    # The endpoint is up before the memory is prepared (which can take minutes): alive,
+    # and saying what it is not yet ready for.
+    built: list[DataNode] = []
+    agents: list[NodeAgent] = []
+    health = Health()
+    add_node_checks(health, lambda: bool(built), lambda: agents[0] if agents else None)
+
+    def node_stats() -> Scopes:
+        if not built or not agents:
+            return {}
+        node, agent = built[0], agents[0]
+        registered = agent.registered
+        node_id = registered.id if registered is not None else 0
+        scopes: Scopes = {f"node {node_id} {node.name}": agent.stats()}
+        if shared_index is not None:
+            # No controller reports the shared index's counters (per shard, in Redis):
+            # every node does. One that cannot reach it still reports its own.
+            with contextlib.suppress(KvfabricError):
+                scopes["index"] = shared_index.shared_stats()
+        return scopes
+
     stop = threading.Event()
+    source = f"node {args.name}" if args.name else "this node"
     try:
-        agent = NodeAgent(node, membership, heartbeat=duration(args.heartbeat, "--heartbeat"))
-
-        def node_stats() -> Scopes:
-            registered = agent.registered
-            node_id = registered.id if registered is not None else 0
-            scopes: Scopes = {
-                f"node {node_id} {node.name}": {
-                    **node.stats(),
-                    "registered": int(registered is not None),
-                }
-            }
-            if shared_index is not None:
-                # No controller reports the shared index's counters (per shard, in Redis):
-                # every node does. One that cannot reach it still reports its own.
-                with contextlib.suppress(KvfabricError):
-                    scopes["index"] = shared_index.shared_stats()
-            return scopes
-
-        with _metrics(args, node_stats, f"node {node.name}") as metrics:
+        with _metrics(args, node_stats, source, health) as metrics:
             _stop_on_signals(stop.set)
-            agent.start()
-            print(
-                f"kvfabric node {node.name} serving {_describe(node)}; registering with "
-                f"{membership.where}{metrics}",
-                flush=True,
-            )
-            threading.Thread(
-                target=_announce_waiting,
-                args=(agent, membership, credentials is not None),
-                name="kvfabric-wait-notice",
-                daemon=True,
-            ).start()
+            node = node_from(args, credentials, plugin_settings(args, index=False), tenants)
             try:
-                stop.wait()
+                agent = NodeAgent(
+                    node, membership, heartbeat=duration(args.heartbeat, "--heartbeat")
+                )
+                built.append(node)
+                agents.append(agent)
+                agent.start()
+                print(
+                    f"kvfabric node {node.name} serving {_describe(node)}; registering with "
+                    f"{membership.where}{metrics}",
+                    flush=True,
+                )
+                threading.Thread(
+                    target=_announce_waiting,
+                    args=(agent, membership, credentials is not None),
+                    name="kvfabric-wait-notice",
+                    daemon=True,
+                ).start()
+                try:
+                    stop.wait()
+                finally:
+                    agent.stop()
             finally:
-                agent.stop()
-    finally:
-        node.close()
+                node.close()
+    except BaseException:
+        if not agents:
+            membership.close()  # else the agent closed it when it stopped
+        raise
     return 0
 
 
@@ -326,19 +348,33 @@ def run_serve(args: argparse.Namespace) -> int:
     credentials = credentials_from(args)
     tenants = tenants_from(args)
     settings = plugin_settings(args)
-    index = index_from(args, settings)
-    try:
-        node = node_from(args, credentials, settings, tenants)
-    except BaseException:
-        index.close()
-        raise
+    # As for a node: the endpoint is up (alive, not ready) while the memory is prepared.
+    controllers: list[Controller] = []
     agents: list[NodeAgent] = []
-    kv_events = None
-    try:
-        kv_events = kv_events_from(args)
-        # The node's transport servers serve the lookup image too: one port per transport.
-        controller = controller_from(args, credentials, index, node.servers, tenants, kv_events)
-        with _controller_metrics(args, controller, serve=True) as metrics:
+    health = Health()
+    add_node_checks(health, lambda: bool(controllers), lambda: agents[0] if agents else None)
+
+    def stats() -> Scopes:
+        if not controllers or not controllers[0].endpoint:
+            return {}
+        return _controller_stats(lambda: controllers[0].endpoint, args)
+
+    # serve exports its node's counters too, without the image's servers (they are the
+    # node's).
+    with _metrics(args, stats, "the controller", health, nodes=True, image=False) as metrics:
+        index = index_from(args, settings)
+        try:
+            node = node_from(args, credentials, settings, tenants)
+        except BaseException:
+            index.close()
+            raise
+        kv_events = None
+        try:
+            kv_events = kv_events_from(args)
+            # The node's transport servers serve the lookup image too: one port per transport.
+            controller = controller_from(args, credentials, index, node.servers, tenants, kv_events)
+            add_controller_checks(health, controller)
+            controllers.append(controller)
             _stop_on_signals(controller.stop)
 
             def ready(endpoint: str) -> None:
@@ -376,9 +412,9 @@ def run_serve(args: argparse.Namespace) -> int:
             finally:
                 for agent in agents:
                     agent.stop()
-    finally:
-        if kv_events is not None:
-            kv_events.close()
-        index.close()
-        node.close()
+        finally:
+            if kv_events is not None:
+                kv_events.close()
+            index.close()
+            node.close()
     return 0

@@ -42,8 +42,9 @@ from kvfabric._runtime.image import (
     image_prefix,
     image_store,
 )
+from kvfabric._runtime.step_log import StepLog
 from kvfabric.descriptor import Descriptor
-from kvfabric.spi import MemoryKind, Region, new_rkey
+from kvfabric.spi import MemoryKind, Region, format_size, new_rkey
 
 __all__ = ["MemoryImage", "NoImage"]
 
@@ -93,7 +94,10 @@ class MemoryImage:
         # the bucket's key came in): how lookups tell the index what they used.
         self._stamp_pages = mmap.mmap(-1, 8 * len(self._used))
         self._stamps = memoryview(self._stamp_pages).cast("d")
-        self.prefault_seconds = prefault_all([self._view, memoryview(self._stamp_pages)])
+        views = [self._view, memoryview(self._stamp_pages)]
+        size = sum(v.nbytes for v in views)
+        with StepLog(log, f"preparing the lookup image ({format_size(size)})", total=size) as step:
+            self.prefault_seconds = prefault_all(views, progress=step.advance)
         self._where: dict[bytes, int] = {}
         self._spilled: dict[bytes, int] = {}
         """Keys with no room in their window -> their home."""

@@ -101,7 +101,10 @@ def test_every_kvfabric_option_the_readme_names_exists() -> None:
     from kvfabric._tools.cli import build_parser
 
     commands = ("demo", "plugins", "controller", "node", "serve", "bench", "stats")
-    helps = []
+    top = io.StringIO()
+    with contextlib.redirect_stdout(top), pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    helps = [top.getvalue()]
     for command in commands:
         out = io.StringIO()
         with contextlib.redirect_stdout(out), pytest.raises(SystemExit):

@@ -80,8 +80,10 @@ def _derive(name: str, secret: bytes, purpose: bytes) -> bytes:
 
 
 def controller_key(credentials: Credentials) -> str:
-    """The controller's public Curve key as a tenant's URL gives it (``controller_key=``)."""
-    return credentials.server_public.decode("ascii")
+    """The controller's public Curve key as a tenant's URL gives it (``controller_key=``):
+    64 hex digits. Not Curve's own z85 text, whose alphabet has ``&``, ``#``, ``%`` and
+    ``+``, which a URL reads as a separator, a fragment, an escape and a space."""
+    return zmq.utils.z85.decode(credentials.server_public).hex()
 
 
 @attrs.frozen
@@ -112,18 +114,18 @@ class TenantKeys:
 
     def client_credentials(self, controller_public: str) -> Credentials:
         """Credentials for this tenant's client of the controller whose public key is
-        ``controller_public`` (z85, 40 characters)."""
+        ``controller_public`` (64 hex digits, :func:`controller_key`)."""
         try:
-            decoded = zmq.utils.z85.decode(controller_public.encode("ascii"))
-        except (ValueError, UnicodeEncodeError):
+            decoded = bytes.fromhex(controller_public)
+        except ValueError:
             decoded = b""
         if len(decoded) != 32:
             raise ConfigError(
                 f"controller_key={controller_public!r} is not a controller's public key "
-                "(40 characters, as the controller prints it at start)"
+                "(64 hex digits, as the controller prints it at start)"
             )
         return Credentials(
-            server_public=controller_public.encode("ascii"),
+            server_public=zmq.utils.z85.encode(decoded),
             server_secret=b"",
             client_public=self.client_public,
             client_secret=self.client_secret,

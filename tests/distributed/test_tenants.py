@@ -26,7 +26,7 @@ from kvfabric._client.tenant_store import TenantStore
 from kvfabric._control.client import ControlClient, ControllerRefusedError
 from kvfabric._control.remote_index import fetch_stats
 from kvfabric._control.security import Credentials
-from kvfabric._control.tenant_keys import TenantKeys
+from kvfabric._control.tenant_keys import TenantKeys, controller_key
 from kvfabric._tools.local_cluster import LocalCluster, ServerProcess, free_port
 from kvfabric._wire.protocol import ErrorCode
 from kvfabric.keys import chain_keys
@@ -234,7 +234,7 @@ def test_a_wrong_secret_or_controller_key_is_refused(serve: Serve, tmp_path: Pat
     ) as impostor:
         assert not impostor.ping()
     # Someone else's key posing as the controller's: the client refuses to talk to it.
-    other = Credentials.from_secret(b"another deployment entirely").server_public.decode()
+    other = controller_key(Credentials.from_secret(b"another deployment entirely"))
     url = serve.url("alpha", control_timeout="0.3s").replace(serve.controller_key, other)
     with kvfabric.connect(url) as misled:
         assert not misled.ping()

@@ -83,7 +83,25 @@ def test_index_keys_carry_the_tag_and_differ_per_tenant() -> None:
 def test_a_tenants_url_is_checked_before_connecting(tmp_path: Path, query: str, says: str) -> None:
     secret = tmp_path / "a.secret"
     secret.write_text("secret of a")
-    controller = "0" * 40
+    controller = "0" * 64
     url = "kvfabric://127.0.0.1:1?" + query.format(s=secret, k=controller)
     with pytest.raises(ConfigError, match=says):
         kvfabric.connect(url)
+
+
+def test_a_controller_key_survives_the_url_whatever_its_curve_text_holds() -> None:
+    # Curve's z85 text of a key can hold '&', '#', '%' and '+': as printed for a URL (hex),
+    # the key parses back to the very key.
+    from urllib.parse import parse_qsl
+
+    import zmq.utils.z85
+
+    from kvfabric._control.security import Credentials
+    from kvfabric._control.tenant_keys import controller_key
+
+    z85 = b"rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"  # '%Fc' would decode as one byte
+    printed = controller_key(Credentials(z85, b"", b"", b"", b""))
+    assert dict(parse_qsl(f"tenant=a&controller_key={printed}"))["controller_key"] == printed
+    keys = TenantKeys.from_secret("a", b"secret")
+    assert keys.client_credentials(printed).server_public == z85
+    assert zmq.utils.z85.decode(z85) == bytes.fromhex(printed)

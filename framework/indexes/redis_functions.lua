@@ -799,7 +799,7 @@ local function clear_batch(p, notices)
   local left = redis.call('HLEN', p .. 'o') + redis.call('SCARD', p .. 'x')
   if left == 0 then
     redis.call('DEL', p .. 'fo', p .. 'fe', p .. 'fs', p .. 'oe', p .. 'r', p .. 're',
-      p .. 'rq', p .. 'p', p .. 'cz')
+      p .. 'rq', p .. 'p', p .. 'cz', p .. 'v')
   end
   return left, dropped
 end

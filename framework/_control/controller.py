@@ -152,7 +152,7 @@ class Controller:
             if not index.report_events(kv_events.queue):
                 raise ConfigError(
                     f"--kv-events: the {index.name} index reports no KV events (the memory "
-                    "index does; see docs/kv-events.md)"
+                    "and redis indexes do; see docs/kv-events.md)"
                 )
         self._usage = ClientUsage()
         self._handlers: dict[int, Handler] = {

@@ -270,7 +270,7 @@ def _add_controller_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_kv_events_options(parser: argparse.ArgumentParser) -> None:
+def _add_kv_events_options(parser: argparse.ArgumentParser, *, relays: bool = False) -> None:
     """Where the index's KV events are published, in vLLM's format (controller, serve)."""
     parser.add_argument(
         "--kv-events",
@@ -279,7 +279,13 @@ def _add_kv_events_options(parser: argparse.ArgumentParser) -> None:
         help="publish KV events (what the store holds: blocks stored, removed, cleared) on "
         "a ZeroMQ PUB socket, as vLLM's --kv-events-config does: tcp://*:PORT binds (a "
         "subscriber connects), tcp://HOST:PORT connects to a subscriber that binds "
-        "(default: none)",
+        "(default: none)"
+        + (
+            ". With --index redis, the controller relays the changes every client and node "
+            "makes in its namespace: run one per namespace"
+            if relays
+            else ""
+        ),
     )
     parser.add_argument(
         "--kv-events-replay",
@@ -420,7 +426,7 @@ def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         formatter_class=HelpFormatter,
     )
     _add_controller_options(controller)
-    _add_kv_events_options(controller)
+    _add_kv_events_options(controller, relays=True)
     _add_tenants_option(controller, _TENANTS_HELP)
     _add_image_options(controller)
     _add_metrics_options(controller, controller=True)

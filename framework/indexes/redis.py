@@ -28,12 +28,13 @@ reasons, is in docs/redis.md; in short:
 own: ``redis_calls`` (function calls per arena, rounds), ``redis_registry`` (nodes, arenas,
 this client's view of them), ``redis_lookups``, ``redis_allocation`` (and the puts in flight
 between allocate and publish), ``redis_publish`` (publish, abort), ``redis_unpublish``
-(deletes, invalid records), ``redis_restore``, ``redis_upkeep`` (``tick``) and ``redis_stats``.
+(deletes, invalid records), ``redis_restore``, ``redis_upkeep`` (``tick``), ``redis_stats``
+and ``redis_events`` (the KV events relay of a controller started with ``--kv-events``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import TYPE_CHECKING
 
@@ -47,8 +48,10 @@ from kvfabric.spi import (
     AllocationRequest,
     Copies,
     Counters,
+    EngineBlock,
     GrantRef,
     IndexConfig,
+    IndexEvents,
     IndexPlugin,
     NodeInfo,
     OptionSpec,
@@ -60,6 +63,8 @@ from kvfabric.spi import (
 
 if TYPE_CHECKING:
     from kvfabric.indexes.redis_allocation import Allocator
+    from kvfabric.indexes.redis_calls import ArenaCalls
+    from kvfabric.indexes.redis_events import EventRelay
     from kvfabric.indexes.redis_lookups import Lookups
     from kvfabric.indexes.redis_publish import Publisher
     from kvfabric.indexes.redis_registry import NodeRegistry, RegistryView
@@ -201,6 +206,8 @@ class RedisIndex(IndexPlugin):
         calls = ArenaCalls(
             self._shards, namespace=self._ns, grace_ms=int(grace * 1000), counters=counters
         )
+        self._calls: ArenaCalls = calls
+        self._relay: EventRelay | None = None
         self._view: RegistryView = RegistryView(calls, namespace=self._ns, counters=counters)
         self._unpublisher: Unpublisher = Unpublisher(calls, self._view, replicas=replicas)
         self._registry: NodeRegistry = NodeRegistry(
@@ -278,6 +285,13 @@ class RedisIndex(IndexPlugin):
         home's entry listing the others (:mod:`kvfabric.indexes.redis_publish`)."""
         return self._publisher.publish(grants)
 
+    def publish_described(
+        self, grants: Sequence[GrantRef], blocks: Mapping[bytes, EngineBlock]
+    ) -> list[bool]:
+        """:meth:`publish`, each item carrying its key's encoded block for the KV events
+        (the functions keep it only while a relay wants events)."""
+        return self._publisher.publish(grants, blocks)
+
     def abort(self, grants: Sequence[GrantRef]) -> None:
         self._publisher.abort(grants)
 
@@ -335,7 +349,21 @@ class RedisIndex(IndexPlugin):
         """Delete everything this namespace holds in Redis (every node, entry and counter)."""
         self._registry.purge()
 
+    def report_events(self, events: IndexEvents) -> bool:
+        """Relay every client's changes to ``events``: the functions append them to
+        each arena's stream while this relay renews its ask, and a thread reads them
+        (:mod:`kvfabric.indexes.redis_events`); until :meth:`close`."""
+        from kvfabric.indexes.redis_events import EventRelay
+
+        if self._relay is None:
+            self._relay = EventRelay(self._calls, self._view, events)
+            self._relay.start()
+        return True
+
     def close(self) -> None:
+        if self._relay is not None:
+            self._relay.close()
+            self._relay = None
         self._shards.close()
 
 

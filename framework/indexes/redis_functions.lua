@@ -24,6 +24,15 @@ in Redis Cluster:
     <P>x         keys of entries whose record lives in another arena (restored records)
     <P>cz        offsets of records claimed while the node reports them (restore)
     <P>c         while what an older registry's arena left is cleared: the newer birth
+    <P>v         KV events, while a relay asks for them (docs/kv-events.md): a stream, one
+                 entry per function call that stored or removed readable keys, capped at
+                 about EVENT_ENTRIES entries; each entry is ('n', its number in the arena),
+                 then ('s', key .. the writer's encoded block or nothing) per key stored
+                 and ('r', key) per key removed, in the order they happened. The meta
+                 fields 'ev' (until when, in server milliseconds, a relay wants them) and
+                 'evn' (entries written) say whether and where: with 'ev' unset or past, a
+                 function writes no stream and does no more than before (the field comes
+                 with the meta read every function makes anyway)
 
 An entry starts with its descriptor in kvfabric's wire form ('<c32I4I4I8I8c8c8I4': key,
 node, region, offset, length, rkey, version, crc), so a lookup returns it as it is, then
@@ -50,6 +59,8 @@ local SAMPLE = 16       -- occupants sampled per eviction decision
 local SEEDS = 8         -- windows priced per put that does not fit (from the sample, and retired)
 local BATCH = 4000      -- keys per MGET inside one function (unpack is bounded by Lua's stack)
 local DROP_BATCH = 500  -- entries one call of kvf1_drop deletes (it blocks the server)
+local EVENT_ENTRIES = 10000  -- entries an arena's event stream keeps (about: MAXLEN ~)
+local EVENT_PAIRS = 1000     -- changes one stream entry holds at most (unpack's stack)
 
 local function fmt(n)
   return string.format('%d', n)
@@ -73,7 +84,7 @@ local GAUGES = {'free', 'retired', 'n_pub', 'n_pend', 'payload', 'vc'}
 local function open(keys, lease_ms, grace_ms, headroom)
   local m = keys[1]
   local meta = redis.call('HMGET', m, 'node', 'region', 'base', 'size', 'rkey8', 'id', 'lo',
-    'restoring', 'free', 'retired', 'n_pub', 'n_pend', 'payload', 'vc')
+    'restoring', 'free', 'retired', 'n_pub', 'n_pend', 'payload', 'vc', 'ev', 'evn')
   if not meta[1] then
     return nil
   end
@@ -89,6 +100,7 @@ local function open(keys, lease_ms, grace_ms, headroom)
     n_pend = tonumber(meta[12]), payload = tonumber(meta[13]), vc = tonumber(meta[14]),
     lease_ms = tonumber(lease_ms or '0'), grace = tonumber(grace_ms or '0'),
     headroom = tonumber(headroom or '0'),
+    ev = tonumber(meta[15] or '0'), evn = tonumber(meta[16] or '0'), changes = nil,
     d = {},
   }
   for _, name in ipairs(COUNTERS) do a.d[name] = 0 end
@@ -99,12 +111,44 @@ local function bump(a, name, n)
   a.d[name] = a.d[name] + (n or 1)
 end
 
+-- KV events: a change of what is readable, kept for the stream while a relay wants them.
+-- Whether it does is decided at the first change of a call (the clock is read only where a
+-- relay ever asked).
+local function tell(a, kind, value)
+  if a.changes == nil then
+    if a.ev == 0 or a.ev <= clock() then
+      a.changes = false
+    else
+      a.changes = {}
+    end
+  end
+  if a.changes then
+    a.changes[#a.changes + 1] = kind
+    a.changes[#a.changes + 1] = value
+  end
+end
+
+local function flush_events(a, set)
+  local changes = a.changes
+  if not changes or #changes == 0 then return end
+  local stream = string.sub(a.m, 1, -2) .. 'v'
+  for first = 1, #changes, 2 * EVENT_PAIRS do
+    a.evn = a.evn + 1
+    redis.call('XADD', stream, 'MAXLEN', '~', EVENT_ENTRIES, '*', 'n', fmt(a.evn),
+      unpack(changes, first, math.min(#changes, first + 2 * EVENT_PAIRS - 1)))
+  end
+  a.changes = nil
+  set[#set + 1] = 'evn'
+  set[#set + 1] = fmt(a.evn)
+end
+
 local function flush(a)
   local set = {}
   for _, name in ipairs(GAUGES) do
     set[#set + 1] = name
     set[#set + 1] = fmt(a[name])
   end
+  flush_events(a, set)
   redis.call('HSET', a.m, unpack(set))
   for _, name in ipairs(COUNTERS) do
     if a.d[name] ~= 0 then redis.call('HINCRBY', a.m, name, a.d[name]) end
@@ -282,6 +326,7 @@ end
 local function remove_entry(a, key, e, now, immediate)
   if e.state == FOREIGN then redis.call('SREM', a.x, key) end
   redis.call('DEL', a.e .. key)
+  if e.state ~= PENDING then tell(a, 'r', key) end
   if e.state == PENDING then
     a.n_pend = a.n_pend - 1
     redis.call('ZREM', a.pq, fmt(e.off))
@@ -586,10 +631,11 @@ local function allocate(a, args)
   return {'ok', a.d.evictions - evicted_before, kinds, entries, notices}
 end
 
--- ARGV: (key, version, crc, alternates) per grant. Returns a flag per grant.
-local function publish(a, args)
+-- ARGV: (key, version, crc, alternates) per grant; kvf1_publish_described adds each
+-- grant's encoded engine block (or '') for the KV events. Returns a flag per grant.
+local function publish_items(a, args, stride)
   local out = {}
-  for i = 1, #args, 4 do
+  for i = 1, #args, stride do
     local key, ver = args[i], args[i + 1]
     local e = entry_get(a, key)
     if e and e.state == PENDING and e.ver == ver then
@@ -602,6 +648,7 @@ local function publish(a, args)
       a.n_pub = a.n_pub + 1
       a.payload = a.payload + e.len
       bump(a, 'published')
+      tell(a, 's', stride == 5 and key .. args[i + 4] or key)
       out[#out + 1] = 1
     else
       bump(a, 'publish_rejected')
@@ -609,6 +656,14 @@ local function publish(a, args)
     end
   end
   return {'ok', out}
+end
+
+local function publish(a, args)
+  return publish_items(a, args, 4)
+end
+
+local function publish_described(a, args)
+  return publish_items(a, args, 5)
 end
 
 -- An entry's alternates, and what precedes them in its tail (a foreign entry's holder).
@@ -744,7 +799,7 @@ local function clear_batch(p, notices)
   local left = redis.call('HLEN', p .. 'o') + redis.call('SCARD', p .. 'x')
   if left == 0 then
     redis.call('DEL', p .. 'fo', p .. 'fe', p .. 'fs', p .. 'oe', p .. 'r', p .. 're',
-      p .. 'rq', p .. 'p', p .. 'cz')
+      p .. 'rq', p .. 'p', p .. 'cz', p .. 'v')
   end
   return left, dropped
 end
@@ -890,6 +945,7 @@ local function adopt(a, args)
       a.n_pub = a.n_pub + 1
       a.payload = a.payload + len
       bump(a, 'restored')
+      tell(a, 's', key)
       out[#out + 1] = 1
     end
   end
@@ -1135,6 +1191,15 @@ end
 -- (replaced, dropped, or not made yet) answers {'gone'}. `settings`: 'lease' when the
 -- arguments start with lease_ms, grace_ms and headroom (allocation), 'grace' when they start
 -- with grace_ms (the function retires slots).
+-- A relay wants KV events of this arena for ARGV[1] ms more (it asks again well before
+-- then). Returns 'ok' and the entries written so far, or 'gone'.
+local function events_on(keys, args)
+  if redis.call('EXISTS', keys[1]) == 0 then return {'gone'} end
+  local now = clock()
+  redis.call('HSET', keys[1], 'ev', fmt(now + tonumber(args[1])))
+  return {'ok', redis.call('HGET', keys[1], 'evn') or '0'}
+end
+
 local function arena_function(name, body, settings)
   redis.register_function(name, function(keys, args)
     local a
@@ -1163,6 +1228,8 @@ ro('kvf1_registry', registry)
 ro('kvf1_silent', silent)
 arena_function('kvf1_allocate', allocate, 'lease')
 arena_function('kvf1_publish', publish)
+arena_function('kvf1_publish_described', publish_described)
+redis.register_function('kvf1_events_on', events_on)
 redis.register_function('kvf1_link', link)
 arena_function('kvf1_abort', abort, 'grace')
 arena_function('kvf1_unpublish', unpublish, 'grace')

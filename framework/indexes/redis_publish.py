@@ -10,14 +10,15 @@ they did not acknowledge in time is reported as not stored.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 from kvfabric.indexes.redis_allocation import PutsInFlight
 from kvfabric.indexes.redis_calls import ArenaCalls, ok, raise_unexpected
+from kvfabric.indexes.redis_events import encode_block
 from kvfabric.indexes.redis_layout import Arena, version_bytes
 from kvfabric.indexes.redis_registry import RegistryView
-from kvfabric.spi import Counters, GrantRef
+from kvfabric.spi import Counters, EngineBlock, GrantRef
 
 __all__ = ["Publisher"]
 
@@ -42,12 +43,16 @@ class Publisher:
         self._replicas = replicas
         self._wait = wait_replicas
 
-    def publish(self, grants: Sequence[GrantRef]) -> list[bool]:
+    def publish(
+        self, grants: Sequence[GrantRef], blocks: Mapping[bytes, EngineBlock] | None = None
+    ) -> list[bool]:
         """Publish the copies that landed, in one round: each in the arena holding it, the
         home's entry listing the others. A key whose home copy did not land is not
         published (its other copies stay stored: the next put of the key finds them and
         writes no bytes for them); grants of a key that were not named are aborted in the
-        same round, with grants left over from refused allocations."""
+        same round, with grants left over from refused allocations. ``blocks``: what the
+        writer said of some keys, for the KV events (``kvf1_publish_described`` carries each
+        item's encoded block, b"" for a key without one); None: nothing more is sent."""
         view = self._view.current()
         out = [False] * len(grants)
         if not grants or not view.ring:
@@ -107,8 +112,14 @@ class Publisher:
                 wire = b"".join(d.to_bytes() for d in others)
                 links.append((put.home, [key, version_bytes(put.home_version), wire]))
         calls = self._calls
+        function = "kvf1_publish"
+        if blocks:
+            function = "kvf1_publish_described"
+            encoded = {key: encode_block(block) for key, block in blocks.items()}
+            for _, args in items:
+                args.append(encoded.get(cast(bytes, args[0])) or b"")
         groups = calls.by_arena(items)
-        batch = [calls.call(arena, "kvf1_publish", *args) for arena, _, args in groups]
+        batch = [calls.call(arena, function, *args) for arena, _, args in groups]
         batch += [
             calls.call(arena, "kvf1_link", self._replicas - 1, *args)
             for arena, _, args in calls.by_arena(links)

@@ -1,43 +1,265 @@
-"""The redis index publishes no KV events yet: asking for them is refused at start, clearly.
+"""KV events with the index in Redis: one relay for the whole deployment.
 
-docs/kv-events.md ("Limits") says so and sketches what one stream per cluster would take.
+Data-node processes register with Redis (no controller in the data path) and clients write,
+delete and evict through the redis index's functions; a controller started with ``--index
+redis --kv-events`` relays what those functions append to each arena's stream. A router
+that applies the events in order must end up believing exactly what the tier holds, on one
+server and on the 3-master cluster; with no relay the functions write no stream at all.
 """
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
+from kv_event_subscriber import Subscriber
 from redis_servers import RedisDeployment
 
-from kvfabric.testing import free_port
+import kvfabric
+from kvfabric import EngineBlock, PutOutcome
+from kvfabric.keys import chain_keys
+from kvfabric.testing import Cluster, free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
+VALUE = 64 << 10
+_names = itertools.count()
 
-def test_a_controller_on_the_redis_index_refuses_kv_events_naming_the_limit(
-    redis_single: RedisDeployment,
+
+class Named:
+    """The keys a test put, each with the name its events carry (its engine hash, or the
+    key itself where the writer attached none)."""
+
+    def __init__(self) -> None:
+        self.names: dict[bytes, bytes | int] = {}
+
+    def put(
+        self, store: kvfabric.Store, n: int, *, blocks: list[EngineBlock] | None = None
+    ) -> list[bytes]:
+        keys = chain_keys(list(range(n)), 1, namespace=f"redis-events-{next(_names)}".encode())
+        outcomes = store.batched_put(
+            keys, [bytes([i % 251]) * VALUE for i in range(n)], blocks=blocks
+        )
+        assert outcomes == [PutOutcome.STORED] * n
+        for i, key in enumerate(keys):
+            self.names[key] = blocks[i].hash if blocks else key
+        return keys
+
+    def held(self, store: kvfabric.Store) -> set[bytes | int]:
+        keys = list(self.names)
+        there = store.batched_exists(keys)
+        return {self.names[k] for k, held in zip(keys, there, strict=True) if held}
+
+
+def _chain(n: int, first: int) -> list[EngineBlock]:
+    hashes = [(first + i).to_bytes(8, "big") for i in range(n)]
+    return [
+        EngineBlock(
+            hash=hashes[i],
+            parent=hashes[i - 1] if i else None,
+            token_ids=range(16 * i, 16 * i + 16),
+            block_size=16,
+        )
+        for i in range(n)
+    ]
+
+
+def _follows(sub: Subscriber, named: Named, store: kvfabric.Store) -> bool:
+    sub.poll()
+    return sub.view() == named.held(store)
+
+
+def _master_ports(deployment: RedisDeployment) -> list[int]:
+    if deployment.is_cluster:
+        return sorted(deployment.masters())
+    return [deployment.servers[0].port]
+
+
+def _arena_keys(deployment: RedisDeployment, namespace: str, suffix: str) -> list[bytes]:
+    """Every arena key of ``namespace`` ending in ``suffix`` (``m`` meta, ``v`` stream)."""
+    found: list[bytes] = []
+    for port in _master_ports(deployment):
+        client = deployment.client(port)
+        try:
+            found += list(client.scan_iter(match=f"*{namespace}:a*:{suffix}", count=1000))
+        finally:
+            client.close()
+    return found
+
+
+def _relay_asks(deployment: RedisDeployment, namespace: str) -> bool:
+    """Whether every arena's functions are told to write events (its meta's ``ev``)."""
+    import redis
+
+    metas = _arena_keys(deployment, namespace, "m")
+    asked: set[bytes] = set()
+    for port in _master_ports(deployment):
+        client = deployment.client(port)
+        try:
+            for meta in metas:
+                try:
+                    if client.hget(meta, "ev") is not None:
+                        asked.add(meta)
+                except redis.exceptions.MovedError:
+                    continue  # another master serves it
+        finally:
+            client.close()
+    return bool(metas) and asked == set(metas)
+
+
+@pytest.fixture(scope="module", params=["single", "cluster"])
+def deployment(request: pytest.FixtureRequest) -> RedisDeployment:
+    return request.getfixturevalue(f"redis_{request.param}")
+
+
+@pytest.fixture(scope="module")
+def cluster(deployment: RedisDeployment) -> Iterator[Cluster]:
+    nodes = 3 if deployment.is_cluster else 1
+    with Cluster(nodes=nodes, capacity="2MiB", redis=deployment.url) as cluster:
+        cluster.wait_nodes(nodes)
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def store(cluster: Cluster) -> Iterator[kvfabric.Store]:
+    with kvfabric.connect(cluster.url(timeout="60s")) as store:
+        yield store
+
+
+@pytest.fixture(scope="module")
+def named() -> Named:
+    return Named()
+
+
+@pytest.fixture(scope="module")
+def ports() -> tuple[int, int]:
+    return free_port(), free_port()
+
+
+@pytest.fixture(scope="module")
+def relay(
+    cluster: Cluster,
+    store: kvfabric.Store,
+    named: Named,
+    deployment: RedisDeployment,
+    ports: tuple[int, int],
+) -> Iterator[subprocess.Popen[bytes]]:
+    # Before any relay: clients' writes, deletes and evictions leave no stream behind.
+    keys = named.put(store, 8)
+    assert store.delete(keys[:2]) == 2
+    for _ in range(8):  # 8 x 16 x 64 KiB: more than the nodes' 2 MiB each hold
+        keys += named.put(store, 16)
+    assert not all(store.batched_exists(keys[2:])), "nothing was evicted"
+    assert _arena_keys(deployment, cluster.namespace, "m")
+    assert _arena_keys(deployment, cluster.namespace, "v") == []
+    # Emptied again (untold too), so that what the tests put next fits.
+    store.delete([k for k, held in zip(keys, store.batched_exists(keys), strict=True) if held])
+    assert not any(store.batched_exists(keys))
+    named.names.clear()
+    pub, replay = ports
+    args = [sys.executable, "-m", "kvfabric", "controller", "--listen"]
+    args += [f"127.0.0.1:{free_port()}", "--index", "redis"]
+    for option, value in cluster.index_options().items():
+        args += ["--index-opt", f"{option}={value}"]
+    args += ["--kv-events", f"tcp://*:{pub}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}"]
+    process = subprocess.Popen(args)
+    try:
+        wait_for(
+            "the relay asks every arena for events",
+            lambda: _relay_asks(deployment, cluster.namespace),
+            60,
+        )
+        yield process
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def subscriber(relay: subprocess.Popen[bytes], ports: tuple[int, int]) -> Iterator[Subscriber]:
+    pub, replay = ports
+    sub = Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    sub.replay_from(0)
+    try:
+        yield sub
+    finally:
+        sub.close()
+
+
+def test_a_router_following_the_relay_holds_exactly_what_clients_stored(
+    store: kvfabric.Store, subscriber: Subscriber, named: Named, deployment: RedisDeployment
 ) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvfabric",
-            "controller",
-            "--listen",
-            f"127.0.0.1:{free_port()}",
-            "--index",
-            "redis",
-            "--index-opt",
-            f"redis.url={redis_single.url}",
-            "--kv-events",
-            f"tcp://*:{free_port()}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode != 0
-    assert "--kv-events: the redis index reports no KV events" in done.stderr
-    assert "docs/kv-events.md" in done.stderr
+    plain = named.put(store, 8)
+    engine = named.put(store, 4, blocks=_chain(4, first=1000))
+    assert store.delete([plain[0], plain[1], engine[3]]) == 3
+    wait_for("the events of the puts and deletes", lambda: _follows(subscriber, named, store))
+    events = subscriber.events()
+    assert events[0] == {"type": "AllBlocksCleared"}  # the controller's first word
+    stored = [h for e in events if e["type"] == "BlockStored" for h in e["block_hashes"]]
+    assert set(plain) <= set(stored)
+    assert {b.hash for b in _chain(4, first=1000)} <= set(stored)
+    # In order per key: each deleted key's store comes before its removal.
+    order = [
+        (e["type"], h) for e in events if e["type"] != "AllBlocksCleared" for h in e["block_hashes"]
+    ]
+    for name in (plain[0], plain[1], (1003).to_bytes(8, "big")):
+        assert order.index(("BlockStored", name)) < order.index(("BlockRemoved", name))
+    if not deployment.is_cluster:
+        # One arena: the chain is one function call's, so one BlockStored as vLLM sends it.
+        chain = next(e for e in events if (1000).to_bytes(8, "big") in e.get("block_hashes", ()))
+        assert chain["block_hashes"] == [b.hash for b in _chain(4, first=1000)]
+        assert chain["token_ids"] == list(range(64))
+        assert chain["block_size"] == 16
+    seqs = [seq for seq, _ in subscriber.batches]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+
+
+def test_evictions_are_told_as_removals(
+    store: kvfabric.Store, subscriber: Subscriber, named: Named
+) -> None:
+    before = set(named.held(store))
+    for _ in range(6):  # 6 x 16 x 64 KiB: more than the nodes' 2 MiB each can hold
+        named.put(store, 16)
+    wait_for("the events of the evictions", lambda: _follows(subscriber, named, store))
+    gone = before - named.held(store)
+    assert gone, "nothing was evicted"
+    removed = {
+        h for e in subscriber.events() if e["type"] == "BlockRemoved" for h in e["block_hashes"]
+    }
+    assert gone <= removed
+
+
+def test_a_subscriber_that_was_away_recovers_the_gap_through_replay(
+    store: kvfabric.Store, subscriber: Subscriber, named: Named, ports: tuple[int, int]
+) -> None:
+    pub, replay = ports
+    witness = Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    try:
+        witness.replay_from(0)
+        subscriber.disconnect()
+        away = named.put(store, 4)
+
+        def witnessed() -> bool:
+            witness.poll()
+            if set(away) <= witness.view():
+                return True
+            away.extend(named.put(store, 1))  # ...until the witness's connection is up
+            return False
+
+        wait_for("the events sent while the subscriber was away", witnessed)
+    finally:
+        witness.close()
+    subscriber.reconnect()
+    gaps = subscriber.gaps
+
+    def caught_up() -> bool:
+        if subscriber.gaps == gaps:
+            named.put(store, 1)  # ...until a later batch shows the gap
+        return _follows(subscriber, named, store)
+
+    wait_for("the subscriber caught up through replay", caught_up)
+    assert subscriber.gaps > gaps
+    assert subscriber.replayed > 0

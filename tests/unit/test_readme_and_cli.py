@@ -123,3 +123,23 @@ def test_every_kvfabric_option_the_readme_names_exists() -> None:
     }
     named = set(re.findall(r"--[a-z][a-z-]+", (ROOT / "README.md").read_text()))
     assert named - others - known == set()
+
+
+def test_nothing_a_user_reads_names_an_issue_number() -> None:
+    # Measurements and history live in docs/performance.md and the CHANGELOG, never as
+    # "issue 12" in what a user reads: the README, the docs and every command's --help.
+    from kvfabric._tools.cli import build_parser
+
+    texts = {str(p.relative_to(ROOT)): p.read_text() for p in [ROOT / "README.md"]}
+    texts |= {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "docs").rglob("*.md")}
+    for command in ("demo", "plugins", "controller", "node", "serve", "bench", "stats"):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--help"])
+        texts[f"kvfabric {command} --help"] = out.getvalue()
+    naming = {
+        where: found
+        for where, text in texts.items()
+        if (found := re.findall(r"\bissues? #?\d+", text, flags=re.IGNORECASE))
+    }
+    assert naming == {}

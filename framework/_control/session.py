@@ -50,7 +50,8 @@ __all__ = [
 
 CHUNK_KEYS = 2048
 """Items (keys, grants, records) in one chunk: what the controller serves between two
-other clients' requests (about 20 ms of an allocate's work on a busy host)."""
+other clients' requests, so a large batch delays them by one chunk's work at most
+(docs/performance.md, "Control plane")."""
 CHUNK_BYTES = 256 << 10
 """Encoded bytes of one chunk, at most (a controller's ``--max-frame`` must exceed it)."""
 WINDOW = 4

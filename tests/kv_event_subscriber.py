@@ -10,11 +10,17 @@ and its fields): the core env decodes plain msgpack, the vllm env with vLLM's ow
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import zmq
+
+import kvfabric
+from kvfabric import EngineBlock, PutOutcome
+from kvfabric.keys import chain_keys
 
 Decoded = tuple[float, list[dict[str, Any]], Any]
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -126,3 +132,55 @@ class Subscriber:
     def close(self) -> None:
         self._sub.close(linger=0)
         self._context.term()
+
+
+# -- what the tests put, and what a subscriber should then believe ----------------------
+
+_namespaces = itertools.count()
+
+
+class Named:
+    """The keys a test put, each with the name its events carry (its engine hash, or the
+    key itself where the writer attached none). Values are ``value_bytes`` each."""
+
+    def __init__(self, value_bytes: int = 64 << 10) -> None:
+        self.names: dict[bytes, bytes | int] = {}
+        self._value_bytes = value_bytes
+
+    def put(
+        self, store: kvfabric.Store, n: int, *, blocks: list[EngineBlock] | None = None
+    ) -> list[bytes]:
+        namespace = f"kv-events-{os.getpid()}-{next(_namespaces)}".encode()
+        keys = chain_keys(list(range(n)), 1, namespace=namespace)
+        outcomes = store.batched_put(
+            keys, [bytes([i % 251]) * self._value_bytes for i in range(n)], blocks=blocks
+        )
+        assert outcomes == [PutOutcome.STORED] * n
+        for i, key in enumerate(keys):
+            self.names[key] = blocks[i].hash if blocks else key
+        return keys
+
+    def held(self, store: kvfabric.Store) -> set[bytes | int]:
+        keys = list(self.names)
+        there = store.batched_exists(keys)
+        return {self.names[k] for k, held in zip(keys, there, strict=True) if held}
+
+
+def engine_chain(n: int, first: int) -> list[EngineBlock]:
+    """An engine's chain of ``n`` full 16-token blocks, hashed as 8-byte digests."""
+    hashes = [(first + i).to_bytes(8, "big") for i in range(n)]
+    return [
+        EngineBlock(
+            hash=hashes[i],
+            parent=hashes[i - 1] if i else None,
+            token_ids=range(16 * i, 16 * i + 16),
+            block_size=16,
+        )
+        for i in range(n)
+    ]
+
+
+def follows(sub: Subscriber, named: Named, store: kvfabric.Store) -> bool:
+    """Whether ``sub``, having read what has come, believes what ``store`` holds."""
+    sub.poll()
+    return sub.view() == named.held(store)

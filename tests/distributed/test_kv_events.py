@@ -9,24 +9,18 @@ that lost the index.
 
 from __future__ import annotations
 
-import itertools
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 
 import pytest
-from kv_event_subscriber import Subscriber
+from kv_event_subscriber import Named, Subscriber, engine_chain, follows
 
 import kvfabric
-from kvfabric import EngineBlock, PutOutcome
-from kvfabric.keys import chain_keys
 from kvfabric.testing import Cluster, free_port, wait_for
 
 pytestmark = pytest.mark.slow
-
-VALUE = 64 << 10
-_names = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -61,50 +55,6 @@ def subscriber(ports: tuple[int, int]) -> Iterator[Subscriber]:
         sub.close()
 
 
-class Named:
-    """The keys a test put, each with the name its events carry (its engine hash, or the
-    key itself where the writer attached none)."""
-
-    def __init__(self) -> None:
-        self.names: dict[bytes, bytes | int] = {}
-
-    def put(
-        self, store: kvfabric.Store, n: int, *, blocks: list[EngineBlock] | None = None
-    ) -> list[bytes]:
-        keys = chain_keys(list(range(n)), 1, namespace=f"kv-events-{next(_names)}".encode())
-        outcomes = store.batched_put(
-            keys, [bytes([i % 251]) * VALUE for i in range(n)], blocks=blocks
-        )
-        assert outcomes == [PutOutcome.STORED] * n
-        for i, key in enumerate(keys):
-            self.names[key] = blocks[i].hash if blocks else key
-        return keys
-
-    def held(self, store: kvfabric.Store) -> set[bytes | int]:
-        keys = list(self.names)
-        there = store.batched_exists(keys)
-        return {self.names[k] for k, held in zip(keys, there, strict=True) if held}
-
-
-def _chain(n: int, first: int) -> list[EngineBlock]:
-    """An engine's chain of ``n`` full 16-token blocks, hashed as 8-byte digests."""
-    hashes = [(first + i).to_bytes(8, "big") for i in range(n)]
-    return [
-        EngineBlock(
-            hash=hashes[i],
-            parent=hashes[i - 1] if i else None,
-            token_ids=range(16 * i, 16 * i + 16),
-            block_size=16,
-        )
-        for i in range(n)
-    ]
-
-
-def _follows(sub: Subscriber, named: Named, store: kvfabric.Store) -> bool:
-    sub.poll()
-    return sub.view() == named.held(store)
-
-
 @pytest.fixture(scope="module")
 def named() -> Named:
     return Named()
@@ -114,9 +64,9 @@ def test_a_router_following_the_events_holds_exactly_what_the_tier_holds(
     store: kvfabric.Store, subscriber: Subscriber, named: Named
 ) -> None:
     plain = named.put(store, 8)
-    engine = named.put(store, 4, blocks=_chain(4, first=1000))
+    engine = named.put(store, 4, blocks=engine_chain(4, first=1000))
     assert store.delete([plain[0], plain[1], engine[3]]) == 3
-    wait_for("the events of the puts and deletes", lambda: _follows(subscriber, named, store))
+    wait_for("the events of the puts and deletes", lambda: follows(subscriber, named, store))
     events = subscriber.events()
     assert events[0] == {"type": "AllBlocksCleared"}  # the controller's first word
     stored = [e for e in events if e["type"] == "BlockStored"]
@@ -124,7 +74,7 @@ def test_a_router_following_the_events_holds_exactly_what_the_tier_holds(
     # vLLM's own events run: hashes, parent and tokens.
     assert [e["block_hashes"] for e in stored[:8]] == [[k] for k in plain]
     assert all(e["medium"] == "kvfabric" and e["parent_block_hash"] is None for e in stored[:8])
-    assert stored[8]["block_hashes"] == [b.hash for b in _chain(4, first=1000)]
+    assert stored[8]["block_hashes"] == [b.hash for b in engine_chain(4, first=1000)]
     assert stored[8]["parent_block_hash"] is None
     assert stored[8]["token_ids"] == list(range(64))
     assert stored[8]["block_size"] == 16
@@ -140,11 +90,11 @@ def test_blocks_travel_with_grants_as_with_extents(
 ) -> None:
     # extents=false: allocate, write, publish (the test above wrote into leased extents).
     with kvfabric.connect(cluster.url(extents="false")) as granted:
-        named.put(granted, 3, blocks=_chain(3, first=2000))
-        wait_for("the events of a granted put", lambda: _follows(subscriber, named, granted))
+        named.put(granted, 3, blocks=engine_chain(3, first=2000))
+        wait_for("the events of a granted put", lambda: follows(subscriber, named, granted))
     first = (2000).to_bytes(8, "big")
     chain = [e for e in subscriber.events() if first in e.get("block_hashes", ())]
-    assert chain[0]["block_hashes"] == [b.hash for b in _chain(3, first=2000)]
+    assert chain[0]["block_hashes"] == [b.hash for b in engine_chain(3, first=2000)]
     assert chain[0]["token_ids"] == list(range(48))
 
 
@@ -154,7 +104,7 @@ def test_evictions_are_removals_in_order(
     before = set(named.held(store))
     for _ in range(4):  # 4 x 16 x 64 KiB into a 2 MiB node: most of it is evicted
         named.put(store, 16)
-    wait_for("the events of the evictions", lambda: _follows(subscriber, named, store))
+    wait_for("the events of the evictions", lambda: follows(subscriber, named, store))
     gone = before - named.held(store)
     assert gone, "nothing was evicted"
     removed = {
@@ -179,7 +129,7 @@ def test_a_subscriber_that_was_away_recovers_the_gap_through_replay(
     def caught_up() -> bool:
         if subscriber.gaps == gaps:
             named.put(store, 1)  # ...until a later batch shows the gap
-        return _follows(subscriber, named, store)
+        return follows(subscriber, named, store)
 
     wait_for("the subscriber caught up through replay", caught_up)
     assert subscriber.gaps > gaps
@@ -200,7 +150,7 @@ def test_a_restarted_controller_is_followed_by_a_clear_then_what_it_restored(
     def caught_up() -> bool:
         if len(subscriber.batches) == seen:
             named.put(store, 1)  # a batch after the subscriber's connection came back
-        return _follows(subscriber, named, store)
+        return follows(subscriber, named, store)
 
     wait_for("the events after the controller's restart", caught_up)
     after = [e for _, (_, events, _) in subscriber.batches[seen:] for e in events]
@@ -262,7 +212,7 @@ def test_serve_publishes_to_a_subscriber_that_binds() -> None:
 
             def seen() -> bool:
                 named.put(store, 2)  # until the connection is up, batches go nowhere
-                return _follows(sub, named, store) or bool(sub.view() & named.held(store))
+                return follows(sub, named, store) or bool(sub.view() & named.held(store))
 
             wait_for("events from serve", seen)
     finally:

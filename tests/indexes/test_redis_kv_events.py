@@ -9,67 +9,18 @@ server and on the 3-master cluster; with no relay the functions write no stream 
 
 from __future__ import annotations
 
-import itertools
 import subprocess
 import sys
 from collections.abc import Iterator
 
 import pytest
-from kv_event_subscriber import Subscriber
+from kv_event_subscriber import Named, Subscriber, engine_chain, follows
 from redis_servers import RedisDeployment
 
 import kvfabric
-from kvfabric import EngineBlock, PutOutcome
-from kvfabric.keys import chain_keys
 from kvfabric.testing import Cluster, free_port, wait_for
 
 pytestmark = pytest.mark.slow
-
-VALUE = 64 << 10
-_names = itertools.count()
-
-
-class Named:
-    """The keys a test put, each with the name its events carry (its engine hash, or the
-    key itself where the writer attached none)."""
-
-    def __init__(self) -> None:
-        self.names: dict[bytes, bytes | int] = {}
-
-    def put(
-        self, store: kvfabric.Store, n: int, *, blocks: list[EngineBlock] | None = None
-    ) -> list[bytes]:
-        keys = chain_keys(list(range(n)), 1, namespace=f"redis-events-{next(_names)}".encode())
-        outcomes = store.batched_put(
-            keys, [bytes([i % 251]) * VALUE for i in range(n)], blocks=blocks
-        )
-        assert outcomes == [PutOutcome.STORED] * n
-        for i, key in enumerate(keys):
-            self.names[key] = blocks[i].hash if blocks else key
-        return keys
-
-    def held(self, store: kvfabric.Store) -> set[bytes | int]:
-        keys = list(self.names)
-        there = store.batched_exists(keys)
-        return {self.names[k] for k, held in zip(keys, there, strict=True) if held}
-
-
-def _chain(n: int, first: int) -> list[EngineBlock]:
-    hashes = [(first + i).to_bytes(8, "big") for i in range(n)]
-    return [
-        EngineBlock(
-            hash=hashes[i],
-            parent=hashes[i - 1] if i else None,
-            token_ids=range(16 * i, 16 * i + 16),
-            block_size=16,
-        )
-        for i in range(n)
-    ]
-
-
-def _follows(sub: Subscriber, named: Named, store: kvfabric.Store) -> bool:
-    sub.poll()
-    return sub.view() == named.held(store)
 
 
 def _master_ports(deployment: RedisDeployment) -> list[int]:
@@ -193,14 +144,14 @@ def test_a_router_following_the_relay_holds_exactly_what_clients_stored(
     store: kvfabric.Store, subscriber: Subscriber, named: Named, deployment: RedisDeployment
 ) -> None:
     plain = named.put(store, 8)
-    engine = named.put(store, 4, blocks=_chain(4, first=1000))
+    engine = named.put(store, 4, blocks=engine_chain(4, first=1000))
     assert store.delete([plain[0], plain[1], engine[3]]) == 3
-    wait_for("the events of the puts and deletes", lambda: _follows(subscriber, named, store))
+    wait_for("the events of the puts and deletes", lambda: follows(subscriber, named, store))
     events = subscriber.events()
     assert events[0] == {"type": "AllBlocksCleared"}  # the controller's first word
     stored = [h for e in events if e["type"] == "BlockStored" for h in e["block_hashes"]]
     assert set(plain) <= set(stored)
-    assert {b.hash for b in _chain(4, first=1000)} <= set(stored)
+    assert {b.hash for b in engine_chain(4, first=1000)} <= set(stored)
     # In order per key: each deleted key's store comes before its removal.
     order = [
         (e["type"], h) for e in events if e["type"] != "AllBlocksCleared" for h in e["block_hashes"]
@@ -210,7 +161,7 @@ def test_a_router_following_the_relay_holds_exactly_what_clients_stored(
     if not deployment.is_cluster:
         # One arena: the chain is one function call's, so one BlockStored as vLLM sends it.
         chain = next(e for e in events if (1000).to_bytes(8, "big") in e.get("block_hashes", ()))
-        assert chain["block_hashes"] == [b.hash for b in _chain(4, first=1000)]
+        assert chain["block_hashes"] == [b.hash for b in engine_chain(4, first=1000)]
         assert chain["token_ids"] == list(range(64))
         assert chain["block_size"] == 16
     seqs = [seq for seq, _ in subscriber.batches]
@@ -223,7 +174,7 @@ def test_evictions_are_told_as_removals(
     before = set(named.held(store))
     for _ in range(6):  # 6 x 16 x 64 KiB: more than the nodes' 2 MiB each can hold
         named.put(store, 16)
-    wait_for("the events of the evictions", lambda: _follows(subscriber, named, store))
+    wait_for("the events of the evictions", lambda: follows(subscriber, named, store))
     gone = before - named.held(store)
     assert gone, "nothing was evicted"
     removed = {
@@ -258,7 +209,7 @@ def test_a_subscriber_that_was_away_recovers_the_gap_through_replay(
     def caught_up() -> bool:
         if subscriber.gaps == gaps:
             named.put(store, 1)  # ...until a later batch shows the gap
-        return _follows(subscriber, named, store)
+        return follows(subscriber, named, store)
 
     wait_for("the subscriber caught up through replay", caught_up)
     assert subscriber.gaps > gaps

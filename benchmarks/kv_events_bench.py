@@ -28,7 +28,14 @@ from kvfabric._control.kv_event_wire import EventKind, encode_batch
 from kvfabric._control.kv_events import KvEventPublisher
 from kvfabric.indexes.memory import MemoryIndex
 from kvfabric.keys import fold_key
-from kvfabric.spi import AllocationKind, AllocationRequest, GrantRef, NodeInfo, RegionInfo
+from kvfabric.spi import (
+    AllocationKind,
+    AllocationRequest,
+    GrantRef,
+    Index,
+    NodeInfo,
+    RegionInfo,
+)
 
 VALUE = 4096
 
@@ -40,8 +47,8 @@ def _index() -> MemoryIndex:
     return index
 
 
-def _blocks(keys: list[bytes], first: int) -> dict[bytes, EngineBlock]:
-    hashes = [(first + i).to_bytes(32, "big") for i in range(len(keys))]
+def engine_blocks(keys: list[bytes], hashes: list[bytes]) -> dict[bytes, EngineBlock]:
+    """An engine's chain of 16-token blocks over ``keys``, named by ``hashes``."""
     return {
         key: EngineBlock(
             hash=hashes[i],
@@ -51,6 +58,27 @@ def _blocks(keys: list[bytes], first: int) -> dict[bytes, EngineBlock]:
         )
         for i, key in enumerate(keys)
     }
+
+
+def _blocks(keys: list[bytes], first: int) -> dict[bytes, EngineBlock]:
+    return engine_blocks(keys, [(first + i).to_bytes(32, "big") for i in range(len(keys))])
+
+
+def put_through(
+    index: Index, batches: list[tuple[list[bytes], dict[bytes, EngineBlock] | None]]
+) -> None:
+    """Allocate and publish each batch of ``VALUE``-byte values, with its blocks if any."""
+    for keys, blocks in batches:
+        result = index.allocate([AllocationRequest(key=k, length=VALUE) for k in keys])
+        grants = [
+            GrantRef.of(a.descriptor, 0)
+            for a in result.allocations
+            if a.kind is AllocationKind.GRANTED and a.descriptor is not None
+        ]
+        if blocks is None:
+            index.publish(grants)
+        else:
+            index.publish_described(grants, blocks)
 
 
 def run(kind: str, rounds: int, n: int) -> float:
@@ -68,17 +96,7 @@ def run(kind: str, rounds: int, n: int) -> float:
         batches.append((keys, blocks))
     try:
         start = time.perf_counter()
-        for keys, blocks in batches:
-            result = index.allocate([AllocationRequest(key=k, length=VALUE) for k in keys])
-            grants = [
-                GrantRef.of(a.descriptor, 0)
-                for a in result.allocations
-                if a.kind is AllocationKind.GRANTED and a.descriptor is not None
-            ]
-            if blocks is None:
-                index.publish(grants)
-            else:
-                index.publish_described(grants, blocks)
+        put_through(index, batches)
         while publisher is not None and publisher.stats()["kv_events_queued"]:
             time.sleep(0.001)
         elapsed = time.perf_counter() - start

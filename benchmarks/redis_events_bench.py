@@ -30,9 +30,7 @@ from kvfabric import EngineBlock
 from kvfabric.indexes.redis import RedisIndex
 from kvfabric.keys import fold_key
 from kvfabric.spi import (
-    AllocationKind,
     AllocationRequest,
-    GrantRef,
     IndexConfig,
     NodeInfo,
     RegionInfo,
@@ -40,23 +38,14 @@ from kvfabric.spi import (
 
 # The test suite's redis-server processes (tests/redis_servers.py): started the same way here.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from kv_events_bench import VALUE, engine_blocks, put_through
 from redis_servers import RedisDeployment
 
-VALUE = 4096
 KINDS = ("events off", "events on, keys", "events on, blocks")
 
 
 def _blocks(keys: list[bytes]) -> dict[bytes, EngineBlock]:
-    hashes = [uuid.uuid4().bytes + uuid.uuid4().bytes for _ in keys]
-    return {
-        key: EngineBlock(
-            hash=hashes[i],
-            parent=hashes[i - 1] if i else None,
-            token_ids=range(16 * i, 16 * i + 16),
-            block_size=16,
-        )
-        for i, key in enumerate(keys)
-    }
+    return engine_blocks(keys, [uuid.uuid4().bytes + uuid.uuid4().bytes for _ in keys])
 
 
 def run(deployment: RedisDeployment, kind: str, rounds: int, n: int) -> tuple[float, float]:
@@ -82,17 +71,7 @@ def run(deployment: RedisDeployment, kind: str, rounds: int, n: int) -> tuple[fl
                 client.fcall("kvf1_events_on", 1, meta, 600_000)
         client.config_resetstat()
         start = time.perf_counter()
-        for keys, blocks in batches:
-            result = index.allocate([AllocationRequest(key=k, length=VALUE) for k in keys])
-            grants = [
-                GrantRef.of(a.descriptor, 0)
-                for a in result.allocations
-                if a.kind is AllocationKind.GRANTED and a.descriptor is not None
-            ]
-            if blocks is None:
-                index.publish(grants)
-            else:
-                index.publish_described(grants, blocks)
+        put_through(index, batches)
         elapsed = time.perf_counter() - start
         fcall = client.info("commandstats").get("cmdstat_fcall", {})
         if kind != "events off":

@@ -229,7 +229,8 @@ def _add_controller_options(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.05,
         metavar="FRACTION",
-        help="share of capacity kept free ahead of need, by evicting least recently used",
+        help="share of the capacity not leased to writers kept free ahead of need, by "
+        "evicting least recently used",
     )
     parser.add_argument(
         "--replicas",

@@ -137,8 +137,9 @@ class MemoryIndex(IndexPlugin):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``lease``: seconds a writer has between allocate and publish. ``grace``: seconds a
-        retired slot waits before reuse. ``headroom``: share of capacity kept free (or on its
-        way to free) by evicting ahead of need, so writers rarely wait for a grace period.
+        retired slot waits before reuse. ``headroom``: share of the capacity not leased to
+        writers kept free (or on its way to free) by evicting ahead of need, so writers
+        rarely wait for a grace period.
         ``image_size``: bytes of the lookup image (0: none; lookups then walk the entries).
         ``replicas``: copies of each value, on distinct data nodes.
         """
@@ -157,7 +158,12 @@ class MemoryIndex(IndexPlugin):
             image=image, regions=self._regions, replicas=replicas, counters=counters
         )
         self._eviction = Eviction(
-            table=self._table, regions=self._regions, headroom=headroom, counters=counters
+            table=self._table,
+            regions=self._regions,
+            headroom=headroom,
+            counters=counters,
+            # Made below: the extents need the eviction to make room for a lease.
+            leased_bytes=lambda: self._extents.unused_bytes(),
         )
         self._replicas = Replicas(
             table=self._table, regions=self._regions, wanted=replicas, counters=counters

@@ -1,7 +1,9 @@
 """Eviction in the memory index: which published entries go, when, and making usable room.
 
 Two reasons to evict. *Headroom*: after grants, entries go until free and retired space
-make a share of the capacity (``headroom``), so writers rarely wait for a grace period;
+make a share (``headroom``) of the capacity not leased to writers, so writers rarely wait for
+a grace period (leased space is not counted: eviction cannot free it, and a writer that
+vanished holds its extents until their leases run out);
 the entries to go are the least worth keeping (LRU weighted by retention: an entry many
 writers stored is worth more). Once the index's owner calls :meth:`Eviction.idle`, a grant
 leaves that work to it, so the grant's reply does not wait for it.
@@ -50,13 +52,16 @@ class Eviction:
         regions: Regions,
         headroom: float,
         counters: dict[str, int],
+        leased_bytes: Callable[[], int],
     ) -> None:
-        """``headroom``: share of the capacity taking grants kept free (or on its way to
-        free) by evicting ahead of need."""
+        """``headroom``: share of the capacity taking grants and not leased kept free (or
+        on its way to free) by evicting ahead of need; ``leased_bytes``: the bytes leased to
+        writers and not written yet."""
         self._table = table
         self._entries = table.entries
         self._regions = regions
         self._headroom = headroom
+        self._leased_bytes = leased_bytes
         self._counters = counters
         # Eviction ahead of need after a grant: done in the grant's call, until an owner
         # calls idle(); from then on left to it, off the grant's reply.
@@ -106,14 +111,19 @@ class Eviction:
         self._evictions_unreported = evictions
 
     def _keep_headroom(self, now: float) -> None:
-        """Evict ahead of need until free and retired space make the headroom.
+        """Evict ahead of need until free and retired space make the headroom (of the space
+        not leased).
 
         A put of many keys into a full store falls short by about one entry a key. The
         entries to go are chosen in one pass over the LRU's head for the whole shortfall,
         not by a fresh sample per entry, which would walk the LRU's head once an entry.
         """
         regions = self._regions
-        target = int(regions.granting_bytes() * self._headroom)
+        # A share of what eviction can act on: with most of the space leased, a share of
+        # all of it would evict every entry, those stored a moment ago too, and still fall
+        # short.
+        evictable_space = max(0, regions.granting_bytes() - self._leased_bytes())
+        target = int(evictable_space * self._headroom)
         short = target - regions.free_bytes() - regions.retired_bytes
         if short <= 0:
             return

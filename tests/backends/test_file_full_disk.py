@@ -266,7 +266,14 @@ def test_a_restart_onto_files_it_cannot_back_is_refused_and_keeps_them(
         cluster.start_node(0)
         cluster.wait_nodes(1)
         url = cluster.url(transport="shm")
-        wait_for("the kept records", lambda: _client(url, put=False)[1] > 0)
-        _, exact, wrong = _client(url, put=False)
-        assert wrong == 0
-        assert 0 < exact < _VALUES  # those in the lost half are misses, never wrong values
+        reads: list[tuple[int, int]] = []
+
+        def kept_records_read() -> bool:
+            reads.append(_client(url, put=False)[1:])
+            return reads[-1][0] > 0
+
+        # Checked on the read that found them: on a loaded host the restarted node may miss
+        # a heartbeat, be dropped and report its records again, and a read between misses.
+        wait_for("the kept records", kept_records_read)
+        assert [wrong for _, wrong in reads] == [0] * len(reads)  # never a wrong value
+        assert reads[-1][0] < _VALUES  # those in the lost half are misses

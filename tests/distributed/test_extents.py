@@ -158,6 +158,55 @@ def test_a_client_killed_holding_an_extent_gives_its_space_back_when_the_lease_r
         assert index["free_bytes"] == _CAPACITY - 4 * record_size(4096)
 
 
+_MANY_HOLDERS = """
+import sys
+import kvfabric
+from kvfabric.keys import chain_keys
+stores = [kvfabric.connect(sys.argv[1]) for _ in range(int(sys.argv[2]))]
+for n, store in enumerate(stores):  # each store leases an extent of its own
+    keys = chain_keys(list(range(4)), 1, namespace=b"holder %d" % n)
+    assert set(store.batched_put(keys, [b"h" * 4096] * 4)) == {kvfabric.PutOutcome.STORED}
+print("holding", flush=True)
+sys.stdin.read()  # holds the extents until the test kills it
+"""
+
+
+def test_clients_killed_holding_most_of_the_space_do_not_evict_what_a_live_client_stores() -> None:
+    """Twelve extents (3/4 of the capacity) leased to clients that were then killed stay
+    leased until their leases run out, and eviction cannot free them. The headroom (a
+    quarter here) is a share of the rest, so a live client's values stay stored: a share
+    of all the capacity would evict every entry, the live client's just stored too."""
+    holders = 12
+    with Cluster(
+        nodes=1,
+        transports=("tcp",),
+        capacity=str(_CAPACITY),
+        controller_args=["--headroom", "0.25"],
+    ) as cluster:
+        holder = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(_MANY_HOLDERS), cluster.url(), str(holders)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert holder.stdout is not None
+            assert holder.stdout.readline().strip() == "holding"
+        finally:
+            holder.kill()  # SIGKILL: no extent is given back
+            holder.wait()
+        assert _index(cluster)["extents"] == holders
+        with kvfabric.connect(cluster.url()) as store:
+            keys = _keys(8, "live")
+            values = _values(keys, 1 << 20)
+            assert store.batched_put(keys, values) == [PutOutcome.STORED] * 8
+            index = _index(cluster)  # a request after the put's: the controller was idle
+            assert exact_hits(store, keys, values) == 8
+        assert index["extents"] == holders + 1
+        assert index["evictions"] == 0
+        assert index["entries"] == 4 * holders + 8
+
+
 def test_a_controller_restarted_under_a_client_holding_extents() -> None:
     with (
         Cluster(nodes=1, transports=("tcp",), capacity=str(_CAPACITY)) as cluster,

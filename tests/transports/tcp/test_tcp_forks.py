@@ -41,10 +41,13 @@ def tcp_url(
             args += ["--transport-opt", option]
         options |= {"tcp.tls": "true", "tcp.tls_ca": str(tls_files.cert)}
     monkeypatch.setenv("KVFABRIC_SECRET", _SECRET)
+    # Room for every child's extents: a child exits without giving its extents back, so
+    # each holds its lease (a sixteenth of the capacity at most, per node) until it runs
+    # out; at 64 MiB leases could evict the parent's values while the test reads them.
     with Cluster(
         nodes=2,
         transports=("tcp",),
-        capacity="64MiB",
+        capacity="256MiB",
         node_args=args,
         controller_args=["--transport", "tcp", *args],
         secret=_SECRET.encode(),

@@ -40,8 +40,12 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     tls = os.environ.get("UCX_TLS")
+    # Room for every child's extents: a child exits without giving its extents back, so
+    # each holds its lease (a sixteenth of the capacity at most, per node) until it runs
+    # out. At 64 MiB the module's children held it all, and leases evicted the parent's
+    # values to make room while the test still read them.
     with Cluster(
-        nodes=2, transports=("ucx", "tcp"), capacity="64MiB", env={"UCX_TLS": tls} if tls else {}
+        nodes=2, transports=("ucx", "tcp"), capacity="256MiB", env={"UCX_TLS": tls} if tls else {}
     ) as c:
         yield c
 

@@ -72,6 +72,9 @@ class CarvedWrites:
             return None
         states, trips = image.exists(keys)
         self._counters.add("image_round_trips", trips)
+        if ImageStop.UNUSABLE in states:
+            self._counters.add("image_unavailable")
+            return None
         if ImageStop.UNKNOWN in states:
             return None
         fresh = [i for i, state in enumerate(states) if state != ImageStop.HIT]

@@ -9,8 +9,10 @@ records whose publish the index never confirmed nor denied (reported ``FAILED``)
 
 Lookups answered from the lookup image are ``onesided_lookups`` (no control RPC;
 ``image_round_trips`` data-plane reads of it), those it could not fully answer
-``image_fallbacks`` (one control RPC each, in ``control_rpcs``); ``touch_rpcs`` counts the
-background use reports, which are not in ``control_rpcs``.
+``image_fallbacks`` (one control RPC each, in ``control_rpcs``); ``image_unavailable``
+counts the lookups and puts that found the image unusable (a read of it failed, or its owner
+stopped beating) and asked the index instead; ``touch_rpcs`` counts the background use
+reports, which are not in ``control_rpcs``.
 
 Keys are counted as engines count blocks: ``lookup_keys`` asked by ``batched_contains``
 (``prefix_hits`` found), ``exists_keys`` asked by ``batched_exists`` (``exists_hits``

@@ -79,6 +79,8 @@ _MIN_CHUNK = 64
 _MAX_READS = 3
 # The buckets are copied in segments of this size.
 _COPY_PIECE = 1 << 20
+# What a copy of the buckets returns when a read of the image failed.
+_UNREADABLE = -2
 
 
 class ImageReader(abc.ABC):
@@ -94,8 +96,8 @@ class ImageReader(abc.ABC):
 
     @abc.abstractmethod
     def exists(self, keys: Sequence[bytes]) -> tuple[bytes, int]:
-        """One :class:`~kvfabric.spi.ImageStop` per key (MISS, HIT or UNKNOWN), and the
-        round trips taken."""
+        """One :class:`~kvfabric.spi.ImageStop` per key (MISS, HIT or UNKNOWN; UNUSABLE for
+        every key when the image could not be read at all), and the round trips taken."""
 
     @abc.abstractmethod
     def nodes_generation(self) -> int:
@@ -253,7 +255,7 @@ class RemoteImage(ImageReader):
         return reader
 
     def prefix(self, keys: Sequence[bytes]) -> tuple[int, int, bytes, int]:
-        fresh, trips = self._catch_up()
+        fresh, trips, _ = self._catch_up()
         if not fresh:
             return (*_UNUSABLE[:3], trips)
         with self._lock:
@@ -261,9 +263,10 @@ class RemoteImage(ImageReader):
         return hits, stop, wires, trips
 
     def exists(self, keys: Sequence[bytes]) -> tuple[bytes, int]:
-        fresh, trips = self._catch_up()
+        fresh, trips, unreadable = self._catch_up()
         if not fresh:
-            return bytes([ImageStop.UNKNOWN]) * len(keys), trips
+            stop = ImageStop.UNUSABLE if unreadable else ImageStop.UNKNOWN
+            return bytes([stop]) * len(keys), trips
         with self._lock:
             return image_exists(self._mirror, keys, self._geometry.image_id, 0.0)[1], trips
 
@@ -326,8 +329,9 @@ class RemoteImage(ImageReader):
         ]
         return _Landing(first, count, header, entries, segments)
 
-    def _catch_up(self) -> tuple[bool, int]:
-        """Apply every rewrite logged before the head read now: ``(fresh, round trips)``."""
+    def _catch_up(self) -> tuple[bool, int, bool]:
+        """Apply every rewrite logged before the head read now: ``(fresh, round trips,
+        unreadable)``; ``unreadable``: not fresh because a read of the image failed."""
         trips = 0
         ring = self._geometry.ring_length
         for _ in range(_MAX_READS):
@@ -339,7 +343,7 @@ class RemoteImage(ImageReader):
                     self._expected = 0
                     copied = self._copy()
                     if copied < 0:
-                        return False, trips + 1
+                        return False, trips + 1, copied == _UNREADABLE
                     trips += copied
                     continue
                 count = min(max(_MIN_CHUNK, own + 2 * self._others), ring)
@@ -347,7 +351,7 @@ class RemoteImage(ImageReader):
             first = landing.first
             trips += 1
             if not self._move(landing.segments, True):
-                return False, trips
+                return False, trips, True
             with self._lock:
                 cursor, head, state = image_apply(
                     self._mirror, landing.header, landing.entries, first, self._cursor
@@ -361,18 +365,19 @@ class RemoteImage(ImageReader):
                 # caught up in one more read, a quiet image costs a few KiB per lookup.
                 self._others = max(0, head - first - own)
                 if state == RingState.CAUGHT_UP:
-                    return True, trips
+                    return True, trips, False
                 if state == RingState.LAPPED:
                     copied = self._copy()
                     if copied < 0:
-                        return False, trips + 1
+                        return False, trips + 1, copied == _UNREADABLE
                     trips += copied
                 elif state == RingState.FOREIGN:
-                    return False, trips
-        return False, trips
+                    return False, trips, False
+        return False, trips, False
 
     def _copy(self) -> int:
-        """Copy the buckets again (under the lock): round trips taken, or -1 if it failed.
+        """Copy the buckets again (under the lock): round trips taken, or
+        :data:`_UNREADABLE` if a read failed, -1 if the copy could not be applied.
 
         The head is read first; the header again, the buckets and the entries logged since
         that head come in one more batch, so a bucket rewritten while it was copied is put
@@ -381,7 +386,7 @@ class RemoteImage(ImageReader):
         geometry = self._geometry
         header = bytearray(IMAGE_HEADER_SIZE)
         if not self._read([(0, memoryview(header))]):
-            return -1
+            return _UNREADABLE
         head = ImageGeometry.head_of(header)
         again = bytearray(IMAGE_HEADER_SIZE)
         mirror = self._mirror
@@ -393,7 +398,7 @@ class RemoteImage(ImageReader):
             head, min(max(_MIN_CHUNK, 2 * self._others), geometry.ring_length)
         )
         if not self._read([(0, memoryview(again)), *buckets, *pieces], small=False):
-            return -1
+            return _UNREADABLE
         mirror[:IMAGE_HEADER_SIZE] = again
         cursor, _, state = image_apply(mirror, again, entries, head, head)
         if state in (RingState.LAPPED, RingState.FOREIGN):

@@ -290,7 +290,8 @@ class Lookups:
             check_keys(keys)
             raise
         found = [state == ImageStop.HIT for state in states]
-        if ImageStop.UNKNOWN not in states:
+        unusable = ImageStop.UNUSABLE in states  # the image could not be read: every key
+        if not unusable and ImageStop.UNKNOWN not in states:
             self._counters.update(
                 exists_calls=1,
                 exists_keys=len(keys),
@@ -299,8 +300,10 @@ class Lookups:
                 onesided_lookups=1,
             )
             return found
-        unknown = [i for i, state in enumerate(states) if state == ImageStop.UNKNOWN]
-        self._counters.add("image_fallbacks")
+        unknown = [
+            i for i, state in enumerate(states) if state in (ImageStop.UNKNOWN, ImageStop.UNUSABLE)
+        ]
+        self._counters.update(image_fallbacks=1, image_unavailable=int(unusable))
         flags = self._calls.ask(self._index.exists, [keys[i] for i in unknown])
         if flags is not None:
             for i, flag in zip(unknown, flags, strict=True):

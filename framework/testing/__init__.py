@@ -22,7 +22,7 @@ from kvfabric._tools.local_cluster import free_port
 from kvfabric.testing.cluster import Cluster
 from kvfabric.testing.hooks import corrupt_payload, resolve_descriptor
 from kvfabric.testing.index_suite import IndexConformance, MakeIndex
-from kvfabric.testing.polling import PATIENCE, wait_for
+from kvfabric.testing.polling import PATIENCE, wait_for, wait_until_stopped
 from kvfabric.testing.recovery import exact_hits
 from kvfabric.testing.store_suite import StoreConformance
 from kvfabric.testing.transport_suite import (
@@ -32,7 +32,6 @@ from kvfabric.testing.transport_suite import (
     open_client,
     round_trip_works,
     segment_for,
-    wait_until_stopped,
 )
 
 __all__ = [

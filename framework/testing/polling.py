@@ -10,11 +10,12 @@ a hang from slowness, never a timing to meet. The seconds each wait took are pri
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["PATIENCE", "wait_for"]
+__all__ = ["PATIENCE", "wait_for", "wait_until_stopped"]
 
 T = TypeVar("T")
 
@@ -57,3 +58,36 @@ def wait_for(
         time.sleep(pause)
         if every is None:
             pause = min(pause * 2, _SLOWEST_POLL)
+
+
+def wait_until_stopped(pid: int, timeout: float = PATIENCE) -> None:
+    """Block until every thread of process ``pid`` is stopped (SIGSTOP is delivered
+    asynchronously).
+
+    ``os.kill(pid, SIGSTOP)`` returns before the process stops: the kernel hands the
+    signal to one thread, and only when that thread runs does it stop the others. On a busy
+    machine that thread may wait its turn for a CPU while another thread, not yet told,
+    keeps answering requests; a test that acts right after the kill can find the process
+    still serving. ``/proc/<pid>/task/*/stat`` show state ``T`` once each thread stopped.
+    """
+    wait_for(
+        f"every thread of process {pid} stopped by SIGSTOP",
+        lambda: _thread_states(pid),
+        timeout,
+        until=lambda states: states and all(s in ("T", "t") for s in states),
+    )
+
+
+def _thread_states(pid: int) -> list[str]:
+    """The scheduler state of each of ``pid``'s threads (one that exited meanwhile is
+    left out)."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                # The state follows the command name, which is in parentheses and may hold
+                # spaces.
+                states.append(f.read().rpartition(")")[2].split()[0])
+        except FileNotFoundError:
+            continue
+    return states

@@ -39,7 +39,7 @@ from kvfabric.spi import (
     TransportClient,
     TransportConfig,
 )
-from kvfabric.testing.polling import PATIENCE, wait_for
+from kvfabric.testing.polling import wait_until_stopped
 
 __all__ = [
     "MakeClient",
@@ -48,7 +48,6 @@ __all__ = [
     "open_client",
     "round_trip_works",
     "segment_for",
-    "wait_until_stopped",
 ]
 
 _MIB = 1 << 20
@@ -58,21 +57,6 @@ _REGION_SERVER = Path(__file__).with_name("region_server.py")
 _PATIENT = 60.0
 # Long enough that a busy 2-core machine serves a healthy read well within it.
 _STALL_TIMEOUT = 3.0
-
-
-def wait_until_stopped(pid: int, timeout: float = PATIENCE) -> None:
-    """Block until process ``pid`` is stopped (SIGSTOP is delivered asynchronously).
-
-    Reading right after ``os.kill(pid, SIGSTOP)`` can race the delivery on a busy machine:
-    the process may still answer. ``/proc/<pid>/stat`` shows state ``T`` once it is stopped.
-    """
-
-    def state() -> str:
-        with open(f"/proc/{pid}/stat") as f:
-            # The state follows the command name, which is in parentheses and may hold spaces.
-            return f.read().rpartition(")")[2].split()[0]
-
-    wait_for(f"process {pid} stopped by SIGSTOP", state, timeout, until=lambda s: s in ("T", "t"))
 
 
 class RegionServer:

@@ -20,7 +20,7 @@ import pytest
 import kvfabric
 from kvfabric import AsyncStore, PutOutcome
 from kvfabric.keys import chain_keys
-from kvfabric.testing import Cluster, wait_for
+from kvfabric.testing import Cluster, wait_for, wait_until_stopped
 
 
 @pytest.fixture
@@ -36,6 +36,8 @@ def _keys(n: int) -> list[bytes]:
 def _controller_signal(cluster: Cluster, sig: int) -> None:
     assert cluster.controller is not None
     cluster.controller.signal(sig)
+    if sig == signal.SIGSTOP:
+        wait_until_stopped(cluster.controller_pid())
 
 
 async def _until(what: str, check: Callable[[], bool]) -> None:

@@ -64,6 +64,7 @@ def test_killing_a_node_during_a_get_gives_misses_in_time_and_the_rest_keeps_wor
 
         # Freeze node0 so the get is certainly in flight when it dies.
         two_nodes.signal_node(0, signal.SIGSTOP)
+        wait_until_stopped(two_nodes.node_pid(0))
         result: list[list[memoryview | None]] = []
         reader = threading.Thread(target=lambda: result.append(store.batched_get(keys)))
         gets = store.stats()["gets"]

@@ -63,6 +63,8 @@ class ChildReport:
     contains: int
     theirs: list[bytes | None]
     transports: list[str | None]
+    counts: dict[str, int]
+    """The child store's non-zero counters, said when a check fails."""
 
 
 def round_trip(
@@ -80,6 +82,7 @@ def round_trip(
     seen = [None if v is None else bytes(v) for v in store.batched_get(list(theirs))]
     located = store.locate(keys[:1])
     transports = [store.records.transport_of(d.node) for d in located if d is not None]
+    counts = {name: count for name, count in store.stats().items() if count}
     return ChildReport(
         pid=os.getpid(),
         namespace=namespace,
@@ -89,6 +92,7 @@ def round_trip(
         contains=contains,
         theirs=seen,
         transports=transports,
+        counts=counts,
     )
 
 
@@ -97,13 +101,21 @@ def check_child(report: ChildReport, theirs: Sequence[bytes] | None) -> None:
     must have read (shared store), or None (a view of its own: it must have read none, and
     never a wrong one)."""
     assert report.pid != os.getpid()
-    assert report.outcomes == [PutOutcome.STORED.name] * len(report.expected)
-    assert report.own == report.expected
-    assert report.contains == len(report.expected)
+    said = f"child {report.pid}: {_misread(report.own, report.expected)}; {report.counts}"
+    assert report.outcomes == [PutOutcome.STORED.name] * len(report.expected), said
+    assert report.own == report.expected, said
+    assert report.contains == len(report.expected), said
     if theirs is None:
-        assert report.theirs == [None] * len(report.theirs)
+        assert report.theirs == [None] * len(report.theirs), said
     else:
-        assert report.theirs == list(theirs)
+        assert report.theirs == list(theirs), f"{_misread(report.theirs, theirs)}; {said}"
+
+
+def _misread(got: Sequence[bytes | None], expected: Sequence[bytes]) -> str:
+    """How ``got`` differs from ``expected``: misses and wrong values, counted apart."""
+    misses = sum(g is None for g in got)
+    wrong = sum(g is not None and g != e for g, e in zip(got, expected, strict=True))
+    return f"{misses} misses and {wrong} wrong values of {len(expected)}"
 
 
 def parent_still_whole(store: Store, keys: Sequence[bytes], values: Sequence[bytes]) -> None:

@@ -37,6 +37,7 @@ __all__ = [
     "Worker",
     "binding",
     "ptr_status",
+    "started_in_a_parent",
 ]
 
 _CDEF = """
@@ -303,6 +304,25 @@ def _on_ep_error(arg: Any, ep: Any, status: int) -> None:
     _ep_errors.setdefault(int(_loaded.ffi.cast("uintptr_t", arg)), status)
 
 
+_workers_started_in: int | None = None
+"""The process that made the first UCX worker: UCX's event thread runs there from then on."""
+
+
+def started_in_a_parent() -> int | None:
+    """The process this one was forked from after it started UCX, or None (UCX was not
+    started, or was started here).
+
+    UCX is not fork-safe: its event thread (``ucs_async``), started with the first worker,
+    stays in the process that started it, and the child inherits its event set (an epoll
+    instance, shared with that process). A worker made in the child adds its descriptors to
+    it, so the parent's thread takes the child's events and runs the parent's handlers for
+    them, and the child's own handlers never run (a child over tcp waits on connections
+    that never complete).
+    """
+    started = _workers_started_in
+    return started if started is not None and started != os.getpid() else None
+
+
 class Context:
     """A ``ucp_context`` with RMA and wakeup; ``config`` overrides ``UCX_*`` variables."""
 
@@ -348,6 +368,9 @@ class Worker:
         handle = b.ffi.new("ucp_worker_h *")
         _check("ucp_worker_create", b.lib.ucp_worker_create(context.handle, params, handle))
         self.handle: Any = handle[0]
+        global _workers_started_in
+        if _workers_started_in is None:
+            _workers_started_in = os.getpid()
 
     def address(self) -> bytes:
         ffi = self._b.ffi

@@ -107,6 +107,33 @@ def _native() -> _ucp.Binding:
         raise PluginUnavailableError(f"ucx: {exc}; install it with: {_HINT}") from exc
 
 
+def _refuse_after_fork() -> None:
+    """Refuse to start UCX in a process forked after UCX started in its parent (see
+    ``_ucp.started_in_a_parent``): the store's other transports carry its bytes instead."""
+    parent = _ucp.started_in_a_parent()
+    if parent is None:
+        return
+    global _fork_warned
+    if not _fork_warned:
+        _fork_warned = True
+        log.warning(
+            "kvfabric: ucx is not used in this process (pid %d): it was forked from process "
+            "%d after UCX started there, and UCX is not fork-safe; its bytes go over the "
+            "store's other transports. To use UCX here, connect after the fork.",
+            os.getpid(),
+            parent,
+        )
+    raise PluginUnavailableError(
+        f"ucx: this process was forked from process {parent} after UCX started there, and "
+        "UCX is not fork-safe (its event thread stayed in that process, which would take "
+        "this one's events); connect after the fork to use ucx here, or use another "
+        "transport"
+    )
+
+
+_fork_warned = False
+
+
 def _context_config(extra: dict[str, str] | None = None) -> dict[str, str]:
     wanted = {**_CONTEXT_DEFAULTS, **(extra or {})}
     return {k: v for k, v in wanted.items() if f"UCX_{k}" not in os.environ}
@@ -134,6 +161,7 @@ class _UcxServer(TransportServer):
 
     def __init__(self, config: TransportConfig) -> None:
         _native()
+        _refuse_after_fork()
         # A node bound to loopback keeps UCX's tcp interfaces on loopback too, as the tcp
         # transport's listener would be (UCX_NET_DEVICES, if set, wins).
         extra = {"NET_DEVICES": "lo"} if _is_loopback(config.host) else {}
@@ -259,6 +287,7 @@ class _UcxClient(PeerClient[_Peer]):
     checksums_writes = True
 
     def __init__(self, config: TransportConfig) -> None:
+        _refuse_after_fork()
         super().__init__(config)
         self._b = _native()
         # Keys of endpoints closed under running requests: destroyed once nothing is in flight.

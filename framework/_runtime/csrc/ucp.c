@@ -286,10 +286,15 @@ PyObject *py_ucp_wait(PyObject *self, PyObject *args, PyObject *kwargs) {
        done by then, and owes no return of the GIL. The mutex only if free at once: its
        holder may be waiting for the GIL we hold. */
     int finished = 0;
+    /* A put's CRCs are taken once, here or below: the try may not run (another thread
+       holds the mutex), and then the wait below must take them. */
+    int crcs_taken = 0;
     if (try_first && PyThread_acquire_lock(mutex->lock, NOWAIT_LOCK)) {
         mutex->locked = 1;
-        if (crc_first)
+        if (crc_first) {
             span_crcs(&vs, span_of, crcs);
+            crcs_taken = 1;
+        }
         (void)ucp_round(&w);
         mutex_give(mutex);
         finished = w.failure != UCS_OK || !w.n;
@@ -305,7 +310,7 @@ PyObject *py_ucp_wait(PyObject *self, PyObject *args, PyObject *kwargs) {
         int64_t interval_ns = crc_first || crc_bytes < HANDOFF_MIN ? 0 : switch_interval_ns();
         PyThreadState *ts;
         RELEASE_GIL(ts);
-        if (crc_first && !try_first) /* a put: the sources' CRCs while posted puts move */
+        if (crc_first && !crcs_taken) /* a put: the sources' CRCs while posted puts move */
             span_crcs(&vs, span_of, crcs);
         for (;;) {
             mutex_take(mutex);

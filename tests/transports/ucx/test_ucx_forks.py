@@ -1,8 +1,10 @@
-"""The ``ucx`` client across a fork: UCX contexts and workers are not fork-safe, so a store
-the child inherited makes a context and a worker of its own (the parent's are left alone,
-never destroyed from the child) and moves its bytes over UCX; the parent keeps its own.
-Run it as ``test_ucx.py`` is run (``UCX_TLS=sm``, or ``tcp``). Real node processes; children
-bounded (``fork_children``)."""
+"""The ``ucx`` client across a fork. UCX is not fork-safe: its event thread stays in the
+process that started it, and a worker made in a child would hand that thread the child's
+events (a child over ``UCX_TLS=tcp`` then waits on connections that never complete). So a
+process forked after UCX started does not start it: a store the child inherited moves its
+bytes over its other transports, one forced onto ``ucx`` says why it cannot, and the
+parent keeps its worker and every record. Run it as ``test_ucx.py`` is run (``UCX_TLS=sm``,
+or ``tcp``). Real node processes; children bounded (``fork_children``)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 import threading
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from fork_children import check_child, holding_locks, in_children, parent_still_whole, round_trip
@@ -50,27 +53,49 @@ def cluster() -> Iterator[Cluster]:
         yield c
 
 
+def _in_child(forced: kvfabric.Store, shared: kvfabric.Store, keys: list[bytes]) -> Any:
+    """What a child sees: the store forced onto ucx refused (why), and a round trip over the
+    store that may use any transport."""
+    try:
+        forced.batched_get(keys[:1])
+    except PluginUnavailableError as exc:
+        refused = str(exc)
+    else:
+        refused = ""
+    return round_trip(shared, keys), refused
+
+
 @pytest.mark.parametrize("mechanism", ["os.fork", "multiprocessing", "forking-server"])
-def test_a_store_over_ucx_forked_gets_a_worker_of_its_own_in_each_child(
+def test_a_child_forked_after_ucx_started_moves_its_bytes_over_tcp_and_the_parent_keeps_ucx(
     cluster: Cluster, mechanism: str
 ) -> None:
-    with kvfabric.connect(cluster.url(transport="ucx", timeout="30s")) as store:
+    with (
+        kvfabric.connect(cluster.url(transport="ucx", timeout="30s")) as forced,
+        kvfabric.connect(cluster.url(timeout="30s")) as shared,
+    ):
         keys = chain_keys(list(range(128)), 1, namespace=uuid.uuid4().bytes)
         values = [os.urandom(20_000) for _ in keys]
-        assert store.batched_put(keys, values) == [PutOutcome.STORED] * len(keys)
-        assert exact_hits(store, keys, values) == len(keys)
-        for report in in_children(mechanism, lambda: round_trip(store, keys), count=2):
+        assert forced.batched_put(keys, values) == [PutOutcome.STORED] * len(keys)
+        assert exact_hits(forced, keys, values) == len(keys)
+        assert forced.records.transport_of(forced.locate(keys[:1])[0].node) == "ucx"
+        results = in_children(mechanism, lambda: _in_child(forced, shared, keys), count=2)
+        for report, refused in results:
             check_child(report, values)
-            assert report.transports == ["ucx"]
-        parent_still_whole(store, keys, values)
+            assert report.transports == ["tcp"]
+            assert "forked" in refused
+            assert "connect after the fork" in refused
+        parent_still_whole(forced, keys, values)
 
 
 def test_a_fork_while_a_parent_thread_holds_the_ucx_clients_lock(cluster: Cluster) -> None:
-    with kvfabric.connect(cluster.url(transport="ucx", timeout="30s")) as store:
+    with (
+        kvfabric.connect(cluster.url(transport="ucx", timeout="30s")) as forced,
+        kvfabric.connect(cluster.url(timeout="30s")) as shared,
+    ):
         keys = chain_keys(list(range(32)), 1, namespace=uuid.uuid4().bytes)
         values = [os.urandom(5000) for _ in keys]
-        assert store.batched_put(keys, values) == [PutOutcome.STORED] * len(keys)
-        mutex = store.records._routes._clients["ucx"]._lock
+        assert forced.batched_put(keys, values) == [PutOutcome.STORED] * len(keys)
+        mutex = forced.records._routes._clients["ucx"]._lock
         taken, release = threading.Event(), threading.Event()
 
         def hold_worker() -> None:
@@ -83,12 +108,14 @@ def test_a_fork_while_a_parent_thread_holds_the_ucx_clients_lock(cluster: Cluste
         holder.start()
         taken.wait()
         try:
-            with holding_locks(store) as held:
+            with holding_locks(forced) as held:
                 assert held >= 8
-                reports = in_children("os.fork", lambda: round_trip(store, keys), count=2)
+                results = in_children("os.fork", lambda: _in_child(forced, shared, keys), count=2)
         finally:
             release.set()
             holder.join()
-        for report in reports:
+        for report, refused in results:
             check_child(report, values)
-        parent_still_whole(store, keys, values)
+            assert report.transports == ["tcp"]
+            assert "forked" in refused
+        parent_still_whole(forced, keys, values)

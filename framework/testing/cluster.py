@@ -13,6 +13,7 @@ cluster closes.
 from __future__ import annotations
 
 import contextlib
+import signal
 import uuid
 from typing import Any
 from urllib.parse import urlsplit
@@ -21,6 +22,7 @@ from kvfabric._plugins import plugin_manager
 from kvfabric._tools.local_cluster import LocalCluster
 from kvfabric.errors import ControllerUnavailableError, KvfabricError
 from kvfabric.spi import IndexConfig, NodeInfo
+from kvfabric.testing.polling import wait_until_stopped
 
 __all__ = ["Cluster"]
 
@@ -40,6 +42,20 @@ class Cluster(LocalCluster):
         self.node_ttl = node_ttl
         self._index: Any = None
         super().__init__(**options)
+
+    def signal_node(self, index: int, sig: int) -> None:
+        """Send ``sig`` to node ``index``; after a SIGSTOP, return once every thread of the
+        node stopped, not when the signal was sent (see :func:`wait_until_stopped`)."""
+        super().signal_node(index, sig)
+        if sig == signal.SIGSTOP:
+            wait_until_stopped(self.node_pid(index))
+
+    def signal_controller(self, sig: int) -> None:
+        """Send ``sig`` to the controller; a SIGSTOP as :meth:`signal_node`."""
+        assert self.controller is not None
+        self.controller.signal(sig)
+        if sig == signal.SIGSTOP:
+            wait_until_stopped(self.controller_pid())
 
     def _address(self) -> tuple[str, int]:
         if not self.redis:

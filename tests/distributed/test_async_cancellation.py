@@ -20,7 +20,7 @@ import pytest
 import kvfabric
 from kvfabric import AsyncStore, PutOutcome
 from kvfabric.keys import chain_keys
-from kvfabric.testing import Cluster, wait_for, wait_until_stopped
+from kvfabric.testing import Cluster, wait_for
 
 
 @pytest.fixture
@@ -31,13 +31,6 @@ def cluster() -> Iterator[Cluster]:
 
 def _keys(n: int) -> list[bytes]:
     return chain_keys(list(range(n)), 1, namespace=uuid.uuid4().bytes)
-
-
-def _controller_signal(cluster: Cluster, sig: int) -> None:
-    assert cluster.controller is not None
-    cluster.controller.signal(sig)
-    if sig == signal.SIGSTOP:
-        wait_until_stopped(cluster.controller_pid())
 
 
 async def _until(what: str, check: Callable[[], bool]) -> None:
@@ -62,18 +55,18 @@ def test_a_cancelled_get_never_writes_the_buffer_after_the_await_returned(
         loop = asyncio.get_running_loop()
         async with await kvfabric.connect_async(cluster.url(control_timeout="30s")) as astore:
             buffer = bytearray(len(value))
-            _controller_signal(cluster, signal.SIGSTOP)
+            cluster.signal_controller(signal.SIGSTOP)
             try:
                 task = asyncio.create_task(astore.batched_get(keys, into=[buffer]))
                 await _until("the get in its resolve call", lambda: astore.stats()["gets"] == 1)
                 task.cancel()
                 # The controller answers a while after the cancel: the call stays in
                 # flight meanwhile, which is what the await must outlast.
-                loop.call_later(0.2, _controller_signal, cluster, signal.SIGCONT)
+                loop.call_later(0.2, cluster.signal_controller, signal.SIGCONT)
                 with pytest.raises(asyncio.CancelledError):
                     await task
             finally:
-                _controller_signal(cluster, signal.SIGCONT)
+                cluster.signal_controller(signal.SIGCONT)
             # The await returned only after the read was over: it landed, and is done.
             assert _done(astore, "get_hits", "get_misses") == 1
             assert bytes(buffer) == value
@@ -103,18 +96,18 @@ def test_a_timed_out_put_never_stores_bytes_written_after_the_await_returned(
                     armed.set_result(deadline)
                     return await astore.batched_put(keys, [buffer])
 
-            _controller_signal(cluster, signal.SIGSTOP)
+            cluster.signal_controller(signal.SIGSTOP)
             try:
                 task = asyncio.create_task(put())
                 deadline = await armed
                 await _until("the put in its allocate call", lambda: astore.stats()["puts"] == 1)
                 deadline.reschedule(loop.time())  # time out now
                 # As above: in flight a while after the timeout.
-                loop.call_later(0.2, _controller_signal, cluster, signal.SIGCONT)
+                loop.call_later(0.2, cluster.signal_controller, signal.SIGCONT)
                 with pytest.raises(TimeoutError):
                     await task
             finally:
-                _controller_signal(cluster, signal.SIGCONT)
+                cluster.signal_controller(signal.SIGCONT)
             assert _done(astore, "stored", "put_failures") == 1
             buffer[:] = refill  # the caller reuses its buffer at once
             await astore.batched_contains([])

@@ -20,7 +20,7 @@ import pytest
 
 import kvfabric
 from kvfabric.keys import chain_keys
-from kvfabric.testing import Cluster, wait_until_stopped
+from kvfabric.testing import Cluster
 
 _BACKOFF = 5.0
 
@@ -82,7 +82,6 @@ def test_a_frozen_node_costs_one_deadline_then_is_skipped_until_a_probe_finds_it
         )
         assert store.batched_contains(keys) == 32
         cluster.signal_node(0, signal.SIGSTOP)
-        wait_until_stopped(cluster.node_pid(0))
 
         # The first read waits for its deadline: misses, and the node is held off.
         before = store.stats()
@@ -158,7 +157,6 @@ def test_with_two_copies_a_frozen_nodes_keys_are_read_from_the_other_without_wai
             values = [_value(k) for k in keys]
             assert store.batched_put(keys, values) == [kvfabric.PutOutcome.STORED] * 32
             cluster.signal_node(0, signal.SIGSTOP)
-            wait_until_stopped(cluster.node_pid(0))
             # The first read waits for the frozen node once, then reads the other copies.
             got = store.batched_get(keys)
             assert [bytes(v) if v is not None else None for v in got] == values
